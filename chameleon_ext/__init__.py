@@ -1,0 +1,1 @@
+"""Chameleon: plans, schedules, simulation and recovery planning for fault-tolerant training."""

@@ -1,0 +1,255 @@
+"""Execution plans: which ranks run which layers of which pipeline, on which micro-batches.
+
+A plan is the single description of a parallel layout that every other part reads: the schedule
+generators, the simulator, the process-group builder and the executor. Plans are plain data and
+round-trip through JSON so that the planner can publish them on the store and users can write them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message says what is wrong."""
+
+
+@dataclass
+class Stage:
+    """Layers [layer_start, layer_end) of one pipeline, held by `ranks` (one per tensor-parallel rank)."""
+
+    layer_start: int
+    layer_end: int
+    ranks: list[int]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass
+class Pipeline:
+    """A chain of stages that together hold every layer once, and the global micro-batches it runs."""
+
+    stages: list[Stage]
+    micro_batches: list[int]
+
+
+@dataclass(frozen=True)
+class RankPosition:
+    pipeline: int
+    stage: int
+    tp_rank: int
+
+
+@dataclass
+class ExecutionPlan:
+    num_layers: int
+    tensor_parallel: int
+    micro_batch_size: int
+    num_micro_batches: int
+    pipelines: list[Pipeline]
+    generation: int = 0
+    _positions: dict[int, RankPosition] = field(default_factory=dict, init=False, repr=False,
+                                                compare=False)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def failure_free(cls, world_size: int, tensor_parallel: int, pipeline_parallel: int,
+                     num_layers: int, micro_batch_size: int, global_batch_size: int
+                     ) -> "ExecutionPlan":
+        """Megatron's homogeneous layout, in its rank order (tp fastest, then dp, then pp)."""
+        if tensor_parallel < 1 or pipeline_parallel < 1:
+            raise PlanError("tensor and pipeline parallel sizes must be at least 1")
+        if world_size < 1 or micro_batch_size < 1:
+            raise PlanError(f"world size ({world_size}) and micro batch size ({micro_batch_size})"
+                            " must be at least 1")
+        if world_size % (tensor_parallel * pipeline_parallel) != 0:
+            raise PlanError(
+                f"world size {world_size} is not divisible by tensor parallel size {tensor_parallel}"
+                f" x pipeline parallel size {pipeline_parallel}")
+        dp = world_size // (tensor_parallel * pipeline_parallel)
+        if num_layers % pipeline_parallel != 0:
+            raise PlanError(f"number of layers {num_layers} is not divisible by pipeline parallel "
+                            f"size {pipeline_parallel}")
+        if global_batch_size % (micro_batch_size * dp) != 0:
+            raise PlanError(f"global batch size {global_batch_size} is not divisible by micro batch "
+                            f"size {micro_batch_size} x data parallel size {dp}")
+        num_mb = global_batch_size // micro_batch_size
+        per_pipeline = num_mb // dp
+        per_stage = num_layers // pipeline_parallel
+        pipelines = []
+        for d in range(dp):
+            stages = [
+                Stage(s * per_stage, (s + 1) * per_stage,
+                      [t + tensor_parallel * (d + dp * s) for t in range(tensor_parallel)])
+                for s in range(pipeline_parallel)
+            ]
+            pipelines.append(Pipeline(stages, list(range(d * per_pipeline, (d + 1) * per_pipeline))))
+        plan = cls(num_layers, tensor_parallel, micro_batch_size, num_mb, pipelines)
+        plan.validate()
+        return plan
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._index())
+
+    @property
+    def world_size(self) -> int:
+        return len(self._index())
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.num_micro_batches * self.micro_batch_size
+
+    def position(self, rank: int) -> RankPosition:
+        try:
+            return self._index()[rank]
+        except KeyError:
+            raise PlanError(f"rank {rank} has no place in the plan") from None
+
+    def stage_of(self, rank: int) -> Stage:
+        pos = self.position(rank)
+        return self.pipelines[pos.pipeline].stages[pos.stage]
+
+    def pipeline_of(self, rank: int) -> Pipeline:
+        return self.pipelines[self.position(rank).pipeline]
+
+    def is_first_stage(self, rank: int) -> bool:
+        return self.position(rank).stage == 0
+
+    def is_last_stage(self, rank: int) -> bool:
+        pos = self.position(rank)
+        return pos.stage == len(self.pipelines[pos.pipeline].stages) - 1
+
+    def next_rank(self, rank: int) -> int | None:
+        pos = self.position(rank)
+        stages = self.pipelines[pos.pipeline].stages
+        return None if pos.stage + 1 == len(stages) else stages[pos.stage + 1].ranks[pos.tp_rank]
+
+    def prev_rank(self, rank: int) -> int | None:
+        pos = self.position(rank)
+        stages = self.pipelines[pos.pipeline].stages
+        return None if pos.stage == 0 else stages[pos.stage - 1].ranks[pos.tp_rank]
+
+    def replicas(self, rank: int) -> list[int]:
+        """Ranks holding exactly the same layers and tensor-parallel shard: the gradient-reduction group."""
+        mine = self.stage_of(rank)
+        tp = self.position(rank).tp_rank
+        out = []
+        for p in self.pipelines:
+            for st in p.stages:
+                if (st.layer_start, st.layer_end) == (mine.layer_start, mine.layer_end):
+                    out.append(st.ranks[tp])
+        return sorted(out)
+
+    def _index(self) -> dict[int, RankPosition]:
+        if not self._positions:
+            for pi, p in enumerate(self.pipelines):
+                for si, st in enumerate(p.stages):
+                    for t, r in enumerate(st.ranks):
+                        self._positions[r] = RankPosition(pi, si, t)
+        return self._positions
+
+    # ---- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise PlanError naming the first thing that makes this plan unrunnable."""
+        if self.num_layers < 1:
+            raise PlanError("num_layers must be at least 1")
+        if self.tensor_parallel < 1 or self.micro_batch_size < 1 or self.num_micro_batches < 1:
+            raise PlanError("tensor_parallel, micro_batch_size and num_micro_batches must be >= 1")
+        if not self.pipelines:
+            raise PlanError("plan has no pipelines")
+        seen: dict[int, str] = {}
+        owners: dict[int, int] = {}
+        for pi, p in enumerate(self.pipelines):
+            if not p.stages:
+                raise PlanError(f"pipeline {pi} has no stages")
+            expect = 0
+            for si, st in enumerate(p.stages):
+                where = f"pipeline {pi} stage {si}"
+                if st.layer_start != expect:
+                    raise PlanError(f"{where} starts at layer {st.layer_start}, expected {expect}: "
+                                    "stages must cover contiguous layer ranges")
+                if st.layer_end <= st.layer_start:
+                    raise PlanError(f"{where} has an empty layer range "
+                                    f"[{st.layer_start}, {st.layer_end})")
+                if len(st.ranks) != self.tensor_parallel:
+                    raise PlanError(f"{where} has {len(st.ranks)} ranks, tensor parallel size is "
+                                    f"{self.tensor_parallel}")
+                for r in st.ranks:
+                    if not isinstance(r, int) or r < 0:
+                        raise PlanError(f"{where} names an invalid rank {r!r}")
+                    if r in seen:
+                        raise PlanError(f"rank {r} appears in {seen[r]} and {where}")
+                    seen[r] = where
+                expect = st.layer_end
+            if expect != self.num_layers:
+                raise PlanError(f"pipeline {pi} covers layers [0, {expect}), the model has "
+                                f"{self.num_layers}")
+            for mb in p.micro_batches:
+                if not 0 <= mb < self.num_micro_batches:
+                    raise PlanError(f"pipeline {pi} owns micro-batch {mb}, outside "
+                                    f"[0, {self.num_micro_batches})")
+                if mb in owners:
+                    raise PlanError(f"micro-batch {mb} is owned by pipelines {owners[mb]} and {pi}")
+                owners[mb] = pi
+        missing = sorted(set(range(self.num_micro_batches)) - set(owners))
+        if missing:
+            raise PlanError(f"micro-batches {missing} are owned by no pipeline")
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("_positions")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ExecutionPlan":
+        try:
+            plan = cls(
+                num_layers=int(d["num_layers"]),
+                tensor_parallel=int(d["tensor_parallel"]),
+                micro_batch_size=int(d["micro_batch_size"]),
+                num_micro_batches=int(d["num_micro_batches"]),
+                pipelines=[
+                    Pipeline([Stage(int(s["layer_start"]), int(s["layer_end"]), list(s["ranks"]))
+                              for s in p["stages"]], [int(m) for m in p["micro_batches"]])
+                    for p in d["pipelines"]
+                ],
+                generation=int(d.get("generation", 0)),
+            )
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
+        plan.validate()
+        return plan
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ExecutionPlan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise PlanError("plan JSON must be an object")
+        return cls.from_dict(d)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ExecutionPlan":
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read plan file {path}: {e.strerror}") from None
+        return cls.from_json(text)

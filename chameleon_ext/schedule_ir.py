@@ -1,0 +1,129 @@
+"""Schedule IR: one ordered op list per rank for one training iteration, and its generators.
+
+The executor (megatron.elastic.schedules) runs these ops and the simulator times them: both read
+the same lists, so what the performance model predicts is what runs.
+
+Communication semantics, shared by executor and simulator: a send never blocks the sender (it is
+posted and completes in the background); a receive blocks until the matching send from `peer` for
+the same micro-batch and direction has been posted. Each (micro-batch, direction) pair is its own
+message tag, so several messages between two ranks in one step can never be confused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from chameleon_ext.plan import ExecutionPlan
+
+
+class OpKind(str, Enum):
+    RECV_FWD = "recv_fwd"          # receive the input activation of `microbatch` from `peer`
+    FWD = "fwd"                    # forward of `microbatch` through this rank's layers
+    SEND_FWD = "send_fwd"          # send the output activation of `microbatch` to `peer`
+    RECV_BWD = "recv_bwd"          # receive the gradient of this rank's output from `peer`
+    BWD = "bwd"                    # backward of `microbatch` (input and weight gradients)
+    SEND_BWD = "send_bwd"          # send the gradient of this rank's input to `peer`
+    REDUCE_GRADS = "reduce_grads"  # sum gradients over this rank's replicas (collective)
+    OPT_STEP = "optimizer_step"    # clip, step, zero gradients
+
+
+SENDS = (OpKind.SEND_FWD, OpKind.SEND_BWD)
+RECVS = (OpKind.RECV_FWD, OpKind.RECV_BWD)
+MATCHING_SEND = {OpKind.RECV_FWD: OpKind.SEND_FWD, OpKind.RECV_BWD: OpKind.SEND_BWD}
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: OpKind
+    microbatch: int = -1
+    peer: int = -1
+
+    def __str__(self) -> str:
+        s = self.kind.value
+        if self.microbatch >= 0:
+            s += f"(mb={self.microbatch}"
+            s += f", peer={self.peer})" if self.peer >= 0 else ")"
+        return s
+
+    def message_tag(self) -> int:
+        """The point-to-point tag: unique per (micro-batch, direction)."""
+        return 2 * self.microbatch + (0 if self.kind in (OpKind.SEND_FWD, OpKind.RECV_FWD) else 1)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind.value, "microbatch": self.microbatch, "peer": self.peer}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Op":
+        return cls(OpKind(d["kind"]), int(d.get("microbatch", -1)), int(d.get("peer", -1)))
+
+
+@dataclass
+class Schedule:
+    """Op lists of every rank of a plan for one iteration."""
+
+    ops: dict[int, list[Op]]
+
+    def to_dict(self) -> dict:
+        return {str(r): [o.to_dict() for o in ops] for r, ops in sorted(self.ops.items())}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Schedule":
+        return cls({int(r): [Op.from_dict(o) for o in ops] for r, ops in d.items()})
+
+
+def one_f_one_b(plan: ExecutionPlan) -> Schedule:
+    """Megatron's non-interleaved 1F1B for every pipeline; with one stage it is plain F, B per
+    micro-batch (forward_backward_no_pipelining)."""
+    return Schedule({rank: _rank_1f1b(plan, rank) for rank in plan.ranks})
+
+
+def _rank_1f1b(plan: ExecutionPlan, rank: int) -> list[Op]:
+    pos = plan.position(rank)
+    pipe = plan.pipelines[pos.pipeline]
+    num_stages = len(pipe.stages)
+    prev, nxt = plan.prev_rank(rank), plan.next_rank(rank)
+    mbs = pipe.micro_batches
+    warmup = min(num_stages - pos.stage - 1, len(mbs))
+    ops: list[Op] = []
+
+    def forward(mb: int) -> None:
+        if prev is not None:
+            ops.append(Op(OpKind.RECV_FWD, mb, prev))
+        ops.append(Op(OpKind.FWD, mb))
+        if nxt is not None:
+            ops.append(Op(OpKind.SEND_FWD, mb, nxt))
+
+    def backward(mb: int) -> None:
+        if nxt is not None:
+            ops.append(Op(OpKind.RECV_BWD, mb, nxt))
+        ops.append(Op(OpKind.BWD, mb))
+        if prev is not None:
+            ops.append(Op(OpKind.SEND_BWD, mb, prev))
+
+    for mb in mbs[:warmup]:
+        forward(mb)
+    for i, mb in enumerate(mbs[warmup:]):
+        forward(mb)
+        backward(mbs[i])
+    for mb in mbs[len(mbs) - warmup:]:
+        backward(mb)
+    ops.append(Op(OpKind.REDUCE_GRADS))
+    ops.append(Op(OpKind.OPT_STEP))
+    return ops
+
+
+def forward_only(plan: ExecutionPlan) -> Schedule:
+    """Evaluation: every owned micro-batch forward through its pipeline, no backward."""
+    out: dict[int, list[Op]] = {}
+    for rank in plan.ranks:
+        prev, nxt = plan.prev_rank(rank), plan.next_rank(rank)
+        ops: list[Op] = []
+        for mb in plan.pipeline_of(rank).micro_batches:
+            if prev is not None:
+                ops.append(Op(OpKind.RECV_FWD, mb, prev))
+            ops.append(Op(OpKind.FWD, mb))
+            if nxt is not None:
+                ops.append(Op(OpKind.SEND_FWD, mb, nxt))
+        out[rank] = ops
+    return Schedule(out)

@@ -1,0 +1,54 @@
+"""The same iteration run by megatron-core's own pipeline schedules, for side-by-side checks.
+
+`--chameleon-executor megatron-core` swaps the IR executor for this one: identical model, data,
+gradient reduction and optimizer step, but the forward/backward order and the point-to-point
+traffic are megatron-core's (forward_backward_no_pipelining with one stage, the non-interleaved
+1F1B otherwise). Only homogeneous plans have a megatron-core schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from chameleon_ext.schedule_ir import Op
+from megatron.elastic.schedules import Executor, StageRuntime, StepResult
+
+
+class MegatronCoreExecutor(Executor):
+    def __init__(self, rt: StageRuntime) -> None:
+        super().__init__(rt)
+        cfg = rt.module.config
+        cfg.pipeline_dtype = rt.activation_dtype
+        cfg.batch_p2p_sync = False  # a CUDA-only synchronize after batched p2p
+        self._forward_backward = get_forward_backward_func()
+
+    def run(self, ops: list[Op], iteration: int) -> StepResult:
+        rt = self.rt
+        rt.model.zero_grad_buffer()
+        rt.optimizer.zero_grad()
+        self._loss_sum.zero_()
+        mbs = rt.plan.pipeline_of(rt.rank).micro_batches
+        seq, mbsize, _ = rt.activation_shape
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            batch = rt.get_batch(iteration, mb) if (rt.first or rt.last) else None
+            if rt.before_forward:
+                rt.before_forward(iteration, mb)
+            out = rt.forward_step(batch, model)
+
+            def loss_func(output):
+                loss = rt.loss_func(batch, output)
+                self._loss_sum += loss.detach().double()
+                # per-token-loss mode: megatron-core divides by nothing, so divide here
+                return loss / rt.plan.num_micro_batches, torch.tensor(1), {"lm loss": loss}
+            return out, loss_func
+
+        self._forward_backward(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[rt.model],
+            num_microbatches=len(mbs), seq_length=seq, micro_batch_size=mbsize,
+            forward_only=False)
+        self._reduce_grads(None, iteration)
+        ok, norm = self._optimizer_step()
+        return StepResult(loss=self._global_loss(), grad_norm=norm, update_successful=bool(ok))

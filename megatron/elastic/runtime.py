@@ -1,0 +1,97 @@
+"""Build one rank's training runtime (groups, stage model, DDP, optimizer, LR schedule) for a plan.
+
+Everything plan-dependent is built here so that a new plan (after a failure) means one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.schedule_ir import Schedule, forward_only, one_f_one_b
+from chameleon_ext.simulator import UniformCosts, simulate
+from megatron.elastic import parallel_state, stage_model
+from megatron.elastic.schedules import Executor, StageRuntime
+
+# model_provider(config, pre_process, post_process) -> megatron-core GPTModel
+ModelProvider = Callable[[TransformerConfig, bool, bool], torch.nn.Module]
+
+
+@dataclass
+class SchedulerSettings:
+    """OptimizerParamScheduler's arguments, in iterations (converted to samples here)."""
+
+    lr: float
+    min_lr: float
+    warmup_iters: int
+    decay_iters: int
+    decay_style: str
+    weight_decay: float
+
+
+@dataclass
+class Built:
+    runtime: StageRuntime
+    executor: Executor
+    schedule: Schedule
+    eval_schedule: Schedule
+    groups: parallel_state.RankGroups
+
+
+def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
+          model_provider: ModelProvider, optimizer_config: OptimizerConfig,
+          sched: SchedulerSettings, seed: int, tied_embeddings: bool,
+          seq_length: int, get_batch: Callable[[int, int], dict], forward_step, loss_func,
+          timeout: timedelta | None = None, timers=None, executor: str = "ir") -> Built:
+    schedule = one_f_one_b(plan)
+    simulate(plan, schedule, UniformCosts())  # every schedule is checked before it runs
+    groups = parallel_state.initialize(plan, rank, timeout)
+    stage = plan.stage_of(rank)
+    pos = plan.position(rank)
+    first, last = plan.is_first_stage(rank), plan.is_last_stage(rank)
+
+    cfg = stage_model.stage_config(config, stage)
+    module = model_provider(cfg, first, last)
+    stage_model.init_parameters(
+        module, seed=seed, layer_offset=stage.layer_start, pre_process=first,
+        total_layers=plan.num_layers, init_std=config.init_method_std, tp_rank=pos.tp_rank,
+        tp_size=plan.tensor_parallel, tied_output=tied_embeddings)
+    tied = stage_model.mark_tied_output(module)
+    if tied is None and first and not last and tied_embeddings:
+        tied = module.embedding.word_embeddings.weight
+    seeder = None
+    if config.hidden_dropout > 0 or config.attention_dropout > 0:
+        seeder = stage_model.DropoutSeeder(seed, pos.tp_rank)
+        seeder.attach(module, stage.layer_start, first)
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    model = DistributedDataParallel(cfg, ddp_config, module)
+    optimizer = get_megatron_optimizer(optimizer_config, [model])
+    gbs = plan.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if sched.warmup_iters else sched.lr, max_lr=sched.lr,
+        min_lr=sched.min_lr, lr_warmup_steps=sched.warmup_iters * gbs,
+        lr_decay_steps=sched.decay_iters * gbs, lr_decay_style=sched.decay_style,
+        start_wd=sched.weight_decay, end_wd=sched.weight_decay,
+        wd_incr_steps=sched.decay_iters * gbs, wd_incr_style="constant")
+
+    rt = StageRuntime(
+        rank=rank, plan=plan, model=model, module=module, optimizer=optimizer,
+        scheduler=scheduler, get_batch=get_batch, forward_step=forward_step, loss_func=loss_func,
+        activation_shape=(seq_length, plan.micro_batch_size, config.hidden_size),
+        activation_dtype=config.params_dtype,
+        embedding_group=groups.embd if tied is not None else None, tied_weight=tied,
+        before_forward=seeder.at if seeder else None, timers=timers)
+    if executor == "megatron-core":
+        from megatron.elastic.mcore_executor import MegatronCoreExecutor
+        return Built(rt, MegatronCoreExecutor(rt), schedule, forward_only(plan), groups)
+    return Built(rt, Executor(rt), schedule, forward_only(plan), groups)

@@ -1,0 +1,231 @@
+"""Command-line arguments: Megatron-LM's flag names, plus the --chameleon-* group.
+
+Every problem with the flags (including those that need the world size) is reported as one line
+on stderr with exit code 2, before any process group or file is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+TOKENIZERS = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+class ArgumentError(ValueError):
+    """A bad flag or flag combination; main() turns it into one line and exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line, exit 2
+        raise ArgumentError(message)
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Megatron-style GPT pretraining with in-process recovery.",
+                allow_abbrev=False)
+
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default: 4 x hidden size")
+    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default: the sequence length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default="learned_absolute")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
+                   help="default: transformer_engine where it is importable with CUDA, else local")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro batch size x data parallel size")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+
+    g = p.add_argument_group("learning rate and optimizer")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default: nccl with CUDA, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="a dataset prefix, or weight prefix pairs to blend")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer")
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+
+    g = p.add_argument_group("logging and validation")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=2)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0)
+    g.add_argument("--no-progress-bar", action="store_true")
+
+    g = p.add_argument_group("chameleon", "fault-tolerance and execution-plan options")
+    g.add_argument("--chameleon", action="store_true",
+                   help="turn on in-process recovery from lost ranks")
+    g.add_argument("--chameleon-metrics-file", default=None,
+                   help="JSON-lines events (iteration, failure, recovery)")
+    g.add_argument("--chameleon-plan", default=None,
+                   help="run this execution plan (JSON) instead of the homogeneous one")
+    g.add_argument("--chameleon-executor", choices=("ir", "megatron-core"), default="ir",
+                   help="who runs each iteration: the schedule-IR executor, or megatron-core's own "
+                        "pipeline schedule on the same model and data (homogeneous plans only; "
+                        "for side-by-side checks)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    validate(args, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
+    return args
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Fill derived defaults and reject what cannot run, with a message naming the flag."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ArgumentError(msg)
+
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "log_interval"):
+        need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    args.world_size = world_size
+    if args.chameleon_plan is None:
+        need(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+             f"--pipeline-model-parallel-size {pp}")
+        need(args.num_layers % pp == 0,
+             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        args.data_parallel_size = world_size // (tp * pp)
+    else:
+        need(Path(args.chameleon_plan).is_file(), f"--chameleon-plan {args.chameleon_plan}: no such file")
+        args.data_parallel_size = None
+        need(args.chameleon_executor == "ir",
+             "--chameleon-executor megatron-core runs only the homogeneous plan, not --chameleon-plan")
+    dp = args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * (dp or 1)
+    if dp is not None:
+        need(args.global_batch_size % (args.micro_batch_size * dp) == 0,
+             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+             f"{args.micro_batch_size} x data parallel size {dp}")
+    need(args.hidden_size % args.num_attention_heads == 0,
+         f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+         f"{args.num_attention_heads}")
+    need(args.num_attention_heads % tp == 0,
+         f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+         f"--tensor-model-parallel-size {tp}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    need(args.seq_length <= args.max_position_embeddings,
+         f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+         f"{args.max_position_embeddings}")
+    need(0.0 <= args.hidden_dropout < 1.0 and 0.0 <= args.attention_dropout < 1.0,
+         "dropout probabilities must be in [0, 1)")
+    need(args.lr >= args.min_lr >= 0.0, "--lr must be >= --min-lr >= 0")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    need(args.lr_warmup_iters <= args.lr_decay_iters,
+         f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
+
+    need(args.tokenizer_type in TOKENIZERS,
+         f"unknown --tokenizer-type {args.tokenizer_type!r}; choose one of {', '.join(TOKENIZERS)}")
+    if args.mock_data:
+        need(not args.data_path, "--mock-data and --data-path exclude each other")
+    else:
+        need(bool(args.data_path), "no training data: give --data-path PREFIX or --mock-data")
+        prefixes = args.data_path if len(args.data_path) == 1 else args.data_path[1::2]
+        if len(args.data_path) > 1:
+            need(len(args.data_path) % 2 == 0,
+                 "--data-path with several datasets takes weight prefix pairs")
+            for w in args.data_path[0::2]:
+                try:
+                    float(w)
+                except ValueError:
+                    raise ArgumentError(f"--data-path weight {w!r} is not a number") from None
+        for prefix in prefixes:
+            for ext in (".bin", ".idx"):
+                need(Path(prefix + ext).is_file(),
+                     f"--data-path {prefix}: {prefix + ext} does not exist")
+
+    cuda = _cuda_available()
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    need(args.distributed_backend == "gloo" or cuda, "--distributed-backend nccl needs CUDA")
+    need(not (args.bf16 and args.fp16), "--bf16 and --fp16 exclude each other")
+    need(cuda or not (args.bf16 or args.fp16),
+         "--bf16/--fp16 need CUDA: megatron-core's mixed-precision optimizer is CUDA-only")
+    te = cuda and importlib.util.find_spec("transformer_engine") is not None
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if te else "local"
+    need(args.transformer_impl == "local" or te,
+         "--transformer-impl transformer_engine needs transformer-engine and CUDA")
+    if args.save_interval is not None:
+        need(args.save_interval >= 1, "--save-interval must be at least 1")
+        need(args.save is not None, "--save-interval needs --save DIR")
+    if args.eval_interval is not None:
+        need(args.eval_interval >= 1 and args.eval_iters >= 1,
+             "--eval-interval and --eval-iters must be at least 1")
+    if args.load is not None:
+        need(Path(args.load).is_dir() or not Path(args.load).exists(),
+             f"--load {args.load} is not a directory")
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def exit_on_error(fn, *a, **kw):
+    """Run fn; an ArgumentError becomes `prog: error: message` and exit code 2."""
+    try:
+        return fn(*a, **kw)
+    except ArgumentError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,124 @@
+"""--save/--load with torch.distributed.checkpoint, keyed by layout-independent names.
+
+Each parameter and its Adam moments are stored under the parameter's global name (layer i is
+`decoder.layers.i...` whichever stage holds it), so a checkpoint written under one plan loads under
+any plan with the same model and tensor-parallel size; replicas write a key once (DCP dedups).
+The LR scheduler, iteration and consumed samples go to meta.json. RNG state is not needed:
+dropout is reseeded from (seed, iteration, micro-batch, layer).
+
+Atomic: a checkpoint is written to `iter_N.tmp/`, renamed to `iter_N/` once complete, and only
+then named in `latest_checkpointed_iteration.txt` (Megatron's tracker file). A killed save leaves at
+most a `.tmp` directory that loading ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megatron.elastic import stage_model
+from megatron.elastic.schedules import StageRuntime
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _dir(root: str, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def _named_params(rt: StageRuntime, tied_embeddings: bool) -> dict[str, torch.nn.Parameter]:
+    stage = rt.plan.stage_of(rt.rank)
+    pos = rt.plan.position(rt.rank)
+    out = {}
+    for name, p in rt.module.named_parameters():
+        if name == "output_layer.weight" and not tied_embeddings:
+            gname = name
+        else:
+            gname = stage_model.global_name(name, stage.layer_start, rt.first)
+        out[f"{gname}/tp{pos.tp_rank}of{rt.plan.tensor_parallel}"] = p
+    return out
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.optimizer for o in chained]
+
+
+def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool) -> dict:
+    params = _named_params(rt, tied_embeddings)
+    sd: dict[str, torch.Tensor] = {f"model/{k}": p.data for k, p in params.items()}
+    by_id = {id(p): k for k, p in params.items()}
+    for opt in _torch_optimizers(rt.optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state[p]
+                if create_missing and not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p.data)
+                    state["exp_avg_sq"] = torch.zeros_like(p.data)
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        sd[f"optim/{by_id[id(p)]}/{k}"] = v
+    return sd
+
+
+def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, meta: dict) -> Path:
+    final = _dir(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(tmp))
+    dist.barrier()
+    if rank0:
+        full_meta = {**meta, "iteration": iteration, "scheduler": rt.scheduler.state_dict()}
+        (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1, sort_keys=True))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        tracker = Path(root) / TRACKER
+        t = tracker.with_suffix(".tmp")
+        t.write_text(str(iteration))
+        t.replace(tracker)
+    dist.barrier()
+    return final
+
+
+def latest_iteration(root: str) -> int | None:
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} does not hold an iteration number: {text[:40]!r}")
+    it = int(text)
+    if not (_dir(root, it) / "meta.json").is_file():
+        raise CheckpointError(f"{tracker} names iteration {it}, but {_dir(root, it)} is incomplete")
+    return it
+
+
+def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict) -> dict | None:
+    """Load the latest checkpoint under `root` into the runtime; returns its meta, or None if
+    there is none. `expect` holds model settings that must match the checkpoint's."""
+    it = latest_iteration(root)
+    if it is None:
+        return None
+    d = _dir(root, it)
+    meta = json.loads((d / "meta.json").read_text())
+    for k, v in expect.items():
+        if meta.get(k) != v:
+            raise CheckpointError(f"checkpoint {d} has {k}={meta.get(k)!r}, this run has {v!r}")
+    dcp.load(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(d))
+    rt.scheduler.load_state_dict(meta["scheduler"])
+    return meta

@@ -1,0 +1,72 @@
+"""Training logs: Megatron-style iteration lines, the JSON-lines metrics file, tensorboard."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+
+
+class MetricsFile:
+    """--chameleon-metrics-file: one JSON event per line, flushed per line so a killed job leaves
+    only whole lines. The format is in shared/ARCHITECTURE.md."""
+
+    def __init__(self, path: str | None) -> None:
+        self._f = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(path, "a", buffering=1)
+
+    def write(self, event: str, **fields) -> None:
+        if self._f:
+            self._f.write(json.dumps({"event": event, **fields}) + "\n")
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+            self._f = None
+
+
+class Tensorboard:
+    def __init__(self, log_dir: str | None) -> None:
+        self._w = None
+        if log_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self._w = SummaryWriter(log_dir=log_dir)
+
+    def scalars(self, step: int, **values: float) -> None:
+        if self._w:
+            for k, v in values.items():
+                if v is not None:
+                    self._w.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._w:
+            self._w.flush()
+            self._w.close()
+
+
+def iteration_line(*, iteration: int, train_iters: int, consumed: int, elapsed_ms: float, lr: float,
+                   gbs: int, loss: float, grad_norm: float | None, tokens_per_s: float,
+                   skipped: int) -> str:
+    """The line Megatron-LM's training_log prints, with throughput in tokens/s."""
+    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
+    return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
+            f" consumed samples: {consumed:12d} |"
+            f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+            f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |"
+            f" lm loss: {loss:.6E} |{norm}"
+            f" tokens per second: {tokens_per_s:.1f} |"
+            f" number of skipped iterations: {skipped:3d} |")
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def lap_ms(self) -> float:
+        now = time.perf_counter()
+        ms, self.t = (now - self.t) * 1e3, now
+        return ms

@@ -1,0 +1,288 @@
+"""pretrain(): Megatron-LM's training entry, driven by an execution plan and its schedule IR."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import sys
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from chameleon_ext.plan import ExecutionPlan, PlanError
+from megatron.elastic import cpu_compat, runtime
+from megatron.training import checkpointing
+from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.data import DataError, MicroBatchLoader, build_gpt_datasets
+from megatron.training.metrics import MetricsFile, Stopwatch, Tensorboard, iteration_line
+from megatron.training.tokenizer import TokenizerError, build_tokenizer
+
+log = logging.getLogger("megatron.training")
+
+
+def _fail(msg: str) -> None:
+    print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
+
+
+def initialize_distributed(args) -> tuple[int, int]:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if args.distributed_backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(args.distributed_backend, rank=rank, world_size=world,
+                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    return rank, world
+
+
+def set_random_seeds(seed: int) -> None:
+    from megatron.core import tensor_parallel
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def transformer_config(args):
+    from megatron.core.transformer import TransformerConfig
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, normalization=args.normalization,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        calculate_per_token_loss=True,  # gradients are summed over replicas, never averaged
+        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False,
+    )
+
+
+def optimizer_config(args):
+    from megatron.core.optimizer import OptimizerConfig
+    return OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=torch.float32, use_distributed_optimizer=False)
+
+
+def make_plan(args, world: int) -> ExecutionPlan:
+    if args.chameleon_plan:
+        plan = ExecutionPlan.load(args.chameleon_plan)
+        if plan.ranks != list(range(world)):
+            raise PlanError(f"plan {args.chameleon_plan} uses ranks {plan.ranks}, the world is "
+                            f"0..{world - 1}")
+        if plan.num_layers != args.num_layers:
+            raise PlanError(f"plan has {plan.num_layers} layers, --num-layers is {args.num_layers}")
+        if plan.tensor_parallel != args.tensor_model_parallel_size:
+            raise PlanError("plan's tensor_parallel differs from --tensor-model-parallel-size")
+        if plan.micro_batch_size != args.micro_batch_size:
+            raise PlanError("plan's micro_batch_size differs from --micro-batch-size")
+        args.global_batch_size = plan.global_batch_size
+        return plan
+    return ExecutionPlan.failure_free(world, args.tensor_model_parallel_size,
+                                      args.pipeline_model_parallel_size, args.num_layers,
+                                      args.micro_batch_size, args.global_batch_size)
+
+
+def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, loss_func,
+             argv: list[str] | None = None) -> dict:
+    """Train; returns a summary dict (rank 0 also prints it)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)  # per-bucket parameter lists
+    try:
+        args = parse_args(argv)
+        plan = make_plan(args, args.world_size)
+        tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                                    merge_file=args.merge_file,
+                                    tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+    except (ArgumentError, PlanError, TokenizerError) as e:
+        _fail(str(e))
+    args.padded_vocab_size = _pad_vocab(tokenizer.vocab_size, args)
+
+    rank, world = initialize_distributed(args)
+    cpu_compat.apply()
+    try:
+        train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, tokenizer)
+    except DataError as e:
+        _fail(str(e))
+    train_loader = MicroBatchLoader(train_ds, plan.micro_batch_size, plan.num_micro_batches)
+    valid_loader = (MicroBatchLoader(valid_ds, plan.micro_batch_size, plan.num_micro_batches)
+                    if valid_ds is not None and args.eval_interval else None)
+
+    from megatron.core.timers import Timers
+    timers = Timers(args.timing_log_level, "minmax")
+    built = runtime.build(
+        plan, rank, config=transformer_config(args),
+        model_provider=lambda cfg, pre, post: model_provider(args, cfg, pre, post),
+        optimizer_config=optimizer_config(args),
+        sched=runtime.SchedulerSettings(args.lr, args.min_lr, args.lr_warmup_iters,
+                                        args.lr_decay_iters, args.lr_decay_style,
+                                        args.weight_decay),
+        seed=args.seed, tied_embeddings=not args.untie_embeddings_and_output_weights,
+        seq_length=args.seq_length, get_batch=train_loader.get, forward_step=forward_step,
+        loss_func=loss_func, timers=timers, executor=args.chameleon_executor)
+    set_random_seeds(args.seed)
+    rt = built.runtime
+    tied = not args.untie_embeddings_and_output_weights
+    model_meta = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+                  "tensor_parallel": plan.tensor_parallel, "global_batch_size": plan.global_batch_size,
+                  "seq_length": args.seq_length}
+
+    start = 0
+    if args.load:
+        try:
+            meta = checkpointing.load(args.load, rt, tied_embeddings=tied, expect=model_meta)
+        except checkpointing.CheckpointError as e:
+            _fail(str(e))
+        if meta is None:
+            _print0(rank, f"no checkpoint found under {args.load}: training from scratch")
+        else:
+            start = meta["iteration"]
+            _print0(rank, f"loaded checkpoint from {args.load} at iteration {start}")
+
+    metrics = MetricsFile(args.chameleon_metrics_file if rank == 0 else None)
+    tb = Tensorboard(args.tensorboard_dir if rank == 0 else None)
+    if rank == 0:
+        _print0(rank, f"> plan: {plan.world_size} ranks, {len(plan.pipelines)} pipeline(s) x "
+                      f"{len(plan.pipelines[0].stages)} stage(s), tensor parallel {plan.tensor_parallel}, "
+                      f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size} per iteration")
+        _print0(rank, f"> backend {args.distributed_backend}, transformer impl "
+                      f"{args.transformer_impl}, fused kernels: "
+                      f"{'apex' if _has('apex') else 'torch fallbacks (no apex)'}")
+        if args.chameleon:
+            _print0(rank, "> chameleon: in-process recovery requested; no recovery strategy is "
+                          "built into this version yet, so a lost rank still ends the job")
+    bar = _progress(rank, args, start)
+    tokens_per_iter = plan.global_batch_size * args.seq_length
+    watch = Stopwatch()
+    losses: list[float] = []
+    times: list[float] = []
+    skipped = 0
+    for it in range(start + 1, args.train_iters + 1):
+        res = built.executor.run(built.schedule.ops[rank], it - 1)
+        ms = watch.lap_ms()
+        skipped += 0 if res.update_successful else 1
+        losses.append(res.loss)
+        times.append(ms)
+        if not math.isfinite(res.loss):
+            _fail(f"loss is {res.loss} at iteration {it}")
+        tps = tokens_per_iter / (ms / 1e3)
+        lr = rt.optimizer.param_groups[0]["lr"]
+        metrics.write("iteration", iteration=it, loss=res.loss,
+                      consumed_samples=it * plan.global_batch_size, elapsed_ms=round(ms, 3),
+                      tokens_per_s=round(tps, 1), world=world, generation=plan.generation,
+                      strategy="none")
+        tb.scalars(it, **{"lm loss": res.loss, "learning-rate": lr, "grad-norm": res.grad_norm,
+                          "iteration-time": ms / 1e3, "tokens-per-second": tps})
+        if it % args.log_interval == 0:
+            _write(bar, rank, iteration_line(
+                iteration=it, train_iters=args.train_iters, consumed=it * plan.global_batch_size,
+                elapsed_ms=ms, lr=lr, gbs=plan.global_batch_size, loss=res.loss,
+                grad_norm=res.grad_norm, tokens_per_s=tps, skipped=skipped))
+            if args.timing_log_level > 0:
+                timers.log(list(_OP_TIMERS), normalizer=args.log_interval)
+        if valid_loader and it % args.eval_interval == 0:
+            vloss = built.executor.evaluate(built.eval_schedule.ops[rank], valid_loader.get,
+                                            range(args.eval_iters))
+            _write(bar, rank, f" validation loss at iteration {it} | lm loss value: {vloss:.6E} |"
+                              f" lm loss PPL: {math.exp(min(vloss, 20)):.6E} |")
+            tb.scalars(it, **{"lm loss validation": vloss})
+            metrics.write("validation", iteration=it, loss=vloss)
+            watch.lap_ms()
+        if args.save and args.save_interval and it % args.save_interval == 0:
+            _save(args, rt, it, tied, model_meta, bar, rank)
+            watch.lap_ms()
+        if bar:
+            bar.update(1)
+            bar.set_postfix(loss=f"{res.loss:.4f}")
+    if bar:
+        bar.close()
+    last = args.train_iters
+    if args.save and last > start and not (args.save_interval and last % args.save_interval == 0):
+        _save(args, rt, last, tied, model_meta, None, rank)
+    summary = _summary(rank, plan, args, start, losses, times, tokens_per_iter)
+    metrics.close()
+    tb.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+_OP_TIMERS = ("forward-recv", "forward-compute", "forward-send", "backward-recv",
+              "backward-compute", "backward-send", "grads-all-reduce", "optimizer")
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def _pad_vocab(vocab_size: int, args) -> int:
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def _save(args, rt, it, tied, model_meta, bar, rank) -> None:
+    path = checkpointing.save(args.save, it, rt, tied_embeddings=tied,
+                              meta={**model_meta, "consumed_samples": it * rt.plan.global_batch_size,
+                                    "plan": rt.plan.to_dict()})
+    _write(bar, rank, f"  successfully saved checkpoint at iteration {it} to {path}")
+
+
+def _summary(rank, plan, args, start, losses, times, tokens_per_iter) -> dict:
+    steady = sorted(times[1:] or times)
+    median_ms = steady[len(steady) // 2] if steady else float("nan")
+    summary = {
+        "iterations": len(losses), "first_iteration": start + 1,
+        "final_loss": losses[-1] if losses else None,
+        "median_iteration_ms": median_ms,
+        "tokens_per_s": tokens_per_iter / (median_ms / 1e3) if steady else None,
+        "world": plan.world_size, "pipelines": len(plan.pipelines),
+        "stages": len(plan.pipelines[0].stages),
+    }
+    if rank == 0:
+        print("-" * 72)
+        print(f" training summary: {summary['iterations']} iterations "
+              f"({summary['first_iteration']}..{args.train_iters}) on {plan.world_size} ranks "
+              f"(pipeline {summary['stages']} x data {summary['pipelines']})")
+        if losses:
+            print(f"   loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
+            print(f"   median iteration time: {median_ms:.1f} ms, "
+                  f"throughput: {summary['tokens_per_s']:.0f} tokens/s")
+        print("-" * 72, flush=True)
+    return summary
+
+
+def _progress(rank: int, args, start: int):
+    if rank != 0 or args.no_progress_bar:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=args.train_iters, initial=start, desc="training", unit="it",
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def _write(bar, rank: int, line: str) -> None:
+    if rank != 0:
+        return
+    if bar is not None:
+        bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+    else:
+        print(line, flush=True)
+
+
+def _print0(rank: int, line: str) -> None:
+    if rank == 0:
+        print(line, flush=True)

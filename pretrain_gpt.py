@@ -1,0 +1,62 @@
+"""Pretrain a GPT model with megatron-core, in Megatron-LM's shape: a model provider, a forward
+step, a datasets provider, and pretrain(). Launch with torchrun (or chameleon-launch)."""
+
+from __future__ import annotations
+
+import warnings
+
+# megatron-core warns once per module that apex/transformer-engine are absent; on CPU that is the
+# expected set-up (torch fallbacks), so pretrain() states it in one line instead.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
+
+import torch  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.training.data import build_gpt_datasets
+from megatron.training.training import pretrain
+
+
+def model_provider(args, config, pre_process: bool, post_process: bool) -> GPTModel:
+    if args.transformer_impl == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type)
+
+
+def forward_step(batch: dict | None, model) -> torch.Tensor:
+    """Per-token losses on the last stage, hidden states elsewhere; `batch` is None on stages
+    that need no data."""
+    if batch is None:
+        return model(None, None, None)
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                 labels=batch["labels"])
+
+
+def loss_func(batch: dict, output_tensor: torch.Tensor) -> torch.Tensor:
+    """Token-mean language-model loss of one micro-batch."""
+    mask = batch["loss_mask"].float()
+    return (output_tensor.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def train_valid_test_datasets_provider(args, tokenizer):
+    gbs = args.global_batch_size
+    return build_gpt_datasets(
+        data_path=args.data_path, mock_data=args.mock_data, split=args.split,
+        seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
+        train_samples=args.train_iters * gbs,
+        valid_samples=(args.train_iters // args.eval_interval + 1) * args.eval_iters * gbs
+        if args.eval_interval else 0,
+        test_samples=0, data_cache_path=args.data_cache_path)
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, loss_func)

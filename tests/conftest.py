@@ -1,0 +1,10 @@
+import pytest
+
+from megatron.training.builtin_data import ensure_builtin_dataset
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> str:
+    """A real-text dataset prefix (part of the stdlib sources), built once per test session."""
+    return ensure_builtin_dataset(tmp_path_factory.mktemp("data"), max_bytes=400_000,
+                                  progress=False, quiet=True)

@@ -1,0 +1,83 @@
+"""Run pretrain_gpt.py under torchrun for tests: own session, a deadline, cleanup by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# 4 layers, hidden 64: the small model every multi-process test uses.
+SMALL_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "32", "--micro-batch-size", "2", "--no-progress-bar"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    metrics: list[dict]
+
+    def losses(self) -> list[float]:
+        return [e["loss"] for e in self.metrics if e["event"] == "iteration"]
+
+    def iterations(self) -> list[int]:
+        return [e["iteration"] for e in self.metrics if e["event"] == "iteration"]
+
+
+def run_job(nproc: int, args: list[str], workdir: Path, *, timeout: float = 240,
+            name: str = "job") -> Run:
+    """torchrun --nproc-per-node nproc pretrain_gpt.py args; metrics go to workdir/name.jsonl."""
+    metrics = workdir / f"{name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(REPO / "pretrain_gpt.py"), *args, "--chameleon-metrics-file", str(metrics)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(f"{name} did not finish in {timeout} s\n{err[-3000:]}")
+    finally:
+        kill_group(proc.pid)
+    events = [json.loads(line) for line in metrics.read_text().splitlines()] \
+        if metrics.exists() else []
+    return Run(proc.returncode, out, err, events)
+
+
+def run_script(args: list[str], *, env: dict | None = None, timeout: float = 120
+               ) -> subprocess.CompletedProcess:
+    """A single process of pretrain_gpt.py (for flag errors), no torchrun."""
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *args], cwd=REPO,
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def assert_close(a: list[float], b: list[float], rel: float = 1e-5) -> None:
+    assert len(a) == len(b), f"{len(a)} vs {len(b)} iterations"
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= rel * abs(y), f"iteration {i + 1}: loss {x} vs {y}"

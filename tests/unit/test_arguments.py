@@ -1,0 +1,72 @@
+"""Bad flags and plans: one line on stderr naming the problem, exit code 2, no traceback."""
+
+import json
+
+import pytest
+
+from tests.launch import run_script
+
+BASE = ["--num-layers", "4", "--mock-data"]
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    (3, ["--pipeline-model-parallel-size", "2"], "world size 3 is not divisible"),
+    (4, ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+         "--global-batch-size", "6"], "--global-batch-size 6 is not divisible"),
+    (1, ["--tokenizer-type", "SentencePieceMagic"], "unknown --tokenizer-type"),
+    (1, ["--pipeline-model-parallel-size", "3"], "world size 1 is not divisible"),
+    (1, ["--hidden-size", "66"], "--hidden-size 66 is not divisible by --num-attention-heads"),
+    (1, ["--bf16"], "need CUDA"),
+])
+def test_bad_flags_exit_2_with_one_line(world, flags, message):
+    r = run_script(BASE + flags, env={"WORLD_SIZE": str(world)})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_data_path(tmp_path):
+    r = run_script(["--num-layers", "4"])
+    assert r.returncode == 2 and "give --data-path" in r.stderr
+    r = run_script(["--data-path", str(tmp_path / "nothing")])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"pretrain_gpt.py: error: --data-path {tmp_path / 'nothing'}: "
+        f"{tmp_path / 'nothing'}.bin does not exist"]
+
+
+def test_unknown_flag():
+    r = run_script(BASE + ["--pipeline-parallel", "2"])
+    assert r.returncode == 2 and "unrecognized arguments: --pipeline-parallel" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "plan is not valid JSON"),
+    (json.dumps({"num_layers": 4}), "malformed plan"),
+    (json.dumps({"num_layers": 4, "tensor_parallel": 1, "micro_batch_size": 2,
+                 "num_micro_batches": 2, "pipelines": [
+                     {"stages": [{"layer_start": 0, "layer_end": 3, "ranks": [0]}],
+                      "micro_batches": [0, 1]}]}), "covers layers [0, 3)"),
+    (json.dumps({"num_layers": 4, "tensor_parallel": 1, "micro_batch_size": 2,
+                 "num_micro_batches": 2, "pipelines": [
+                     {"stages": [{"layer_start": 0, "layer_end": 4, "ranks": [5]}],
+                      "micro_batches": [0, 1]}]}), "the world is 0..0"),
+])
+def test_bad_plan_file(tmp_path, content, message):
+    plan = tmp_path / "plan.json"
+    plan.write_text(content)
+    r = run_script(BASE + ["--chameleon-plan", str(plan)])
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_help_groups_chameleon_flags():
+    r = run_script(["--help"])
+    assert r.returncode == 0
+    section = r.stdout.split("chameleon:")[1]
+    for flag in ("--chameleon ", "--chameleon-metrics-file", "--chameleon-plan"):
+        assert flag in section
+    assert "--pipeline-model-parallel-size" not in section

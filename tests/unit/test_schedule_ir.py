@@ -1,0 +1,122 @@
+"""Schedule IR: ops, serialisation and the 1F1B generator."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.schedule_ir import Op, OpKind, Schedule, one_f_one_b
+
+K = OpKind
+
+
+def F(mb):
+    return Op(K.FWD, mb)
+
+
+def B(mb):
+    return Op(K.BWD, mb)
+
+
+def SF(mb, peer):
+    return Op(K.SEND_FWD, mb, peer)
+
+
+def RF(mb, peer):
+    return Op(K.RECV_FWD, mb, peer)
+
+
+def SB(mb, peer):
+    return Op(K.SEND_BWD, mb, peer)
+
+
+def RB(mb, peer):
+    return Op(K.RECV_BWD, mb, peer)
+
+
+END = [Op(K.REDUCE_GRADS), Op(K.OPT_STEP)]
+
+
+def test_1f1b_two_stages_four_micro_batches_by_hand():
+    plan = ExecutionPlan.failure_free(2, 1, 2, num_layers=4, micro_batch_size=1,
+                                      global_batch_size=4)
+    sched = one_f_one_b(plan)
+    # Stage 0 warms up with p - s - 1 = 1 forward, then alternates, then drains the backwards.
+    assert sched.ops[0] == [
+        F(0), SF(0, 1),
+        F(1), SF(1, 1), RB(0, 1), B(0),
+        F(2), SF(2, 1), RB(1, 1), B(1),
+        F(3), SF(3, 1), RB(2, 1), B(2),
+        RB(3, 1), B(3),
+    ] + END
+    # The last stage has no warm-up: every forward is followed by its own backward.
+    assert sched.ops[1] == [
+        RF(0, 0), F(0), B(0), SB(0, 0),
+        RF(1, 0), F(1), B(1), SB(1, 0),
+        RF(2, 0), F(2), B(2), SB(2, 0),
+        RF(3, 0), F(3), B(3), SB(3, 0),
+    ] + END
+    counts = {r: Counter(o.kind for o in ops) for r, ops in sched.ops.items()}
+    assert counts[0] == Counter({K.FWD: 4, K.BWD: 4, K.SEND_FWD: 4, K.RECV_BWD: 4,
+                                 K.REDUCE_GRADS: 1, K.OPT_STEP: 1})
+    assert counts[1] == Counter({K.FWD: 4, K.BWD: 4, K.RECV_FWD: 4, K.SEND_BWD: 4,
+                                 K.REDUCE_GRADS: 1, K.OPT_STEP: 1})
+
+
+def test_1f1b_fewer_micro_batches_than_stages():
+    plan = ExecutionPlan.failure_free(3, 1, 3, num_layers=3, micro_batch_size=1,
+                                      global_batch_size=2)
+    sched = one_f_one_b(plan)
+    # Stage 0 would warm up with 2 forwards; with only 2 micro-batches it is all warm-up.
+    assert sched.ops[0] == [F(0), SF(0, 1), F(1), SF(1, 1), RB(0, 1), B(0), RB(1, 1), B(1)] + END
+    assert sched.ops[1] == [RF(0, 0), F(0), SF(0, 2),
+                            RF(1, 0), F(1), SF(1, 2), RB(0, 2), B(0), SB(0, 0),
+                            RB(1, 2), B(1), SB(1, 0)] + END
+    assert sched.ops[2] == [RF(0, 1), F(0), B(0), SB(0, 1), RF(1, 1), F(1), B(1), SB(1, 1)] + END
+
+
+def test_1f1b_single_stage_is_plain_f_b_per_micro_batch():
+    plan = ExecutionPlan.failure_free(2, 1, 1, num_layers=2, micro_batch_size=1,
+                                      global_batch_size=4)
+    sched = one_f_one_b(plan)
+    assert sched.ops[0] == [F(0), B(0), F(1), B(1)] + END
+    assert sched.ops[1] == [F(2), B(2), F(3), B(3)] + END
+
+
+def test_1f1b_uses_each_pipelines_own_micro_batches_and_peers():
+    plan = ExecutionPlan.failure_free(4, 1, 2, num_layers=2, micro_batch_size=1,
+                                      global_batch_size=4)
+    sched = one_f_one_b(plan)
+    assert sorted(sched.ops) == [0, 1, 2, 3]
+    # pipeline 1 = ranks [1, 3] with micro-batches [2, 3]
+    assert sched.ops[1][:2] == [F(2), SF(2, 3)]
+    assert sched.ops[3][:3] == [RF(2, 1), F(2), B(2)]
+    assert {o.microbatch for o in sched.ops[3] if o.kind is K.FWD} == {2, 3}
+
+
+def test_op_str_and_tags():
+    assert str(Op(K.RECV_FWD, 0, 0)) == "recv_fwd(mb=0, peer=0)"
+    assert str(Op(K.BWD, 3)) == "bwd(mb=3)"
+    assert str(Op(K.REDUCE_GRADS)) == "reduce_grads"
+    tags = {Op(k, mb, 1).message_tag() for k in (K.SEND_FWD, K.SEND_BWD) for mb in range(5)}
+    assert len(tags) == 10
+    assert Op(K.SEND_FWD, 4, 1).message_tag() == Op(K.RECV_FWD, 4, 0).message_tag()
+    assert Op(K.SEND_BWD, 4, 1).message_tag() == Op(K.RECV_BWD, 4, 0).message_tag()
+    assert Op(K.SEND_FWD, 4, 1).message_tag() != Op(K.SEND_BWD, 4, 1).message_tag()
+
+
+def test_schedule_dict_round_trip_through_json():
+    plan = ExecutionPlan.failure_free(4, 2, 2, num_layers=4, micro_batch_size=1,
+                                      global_batch_size=3)
+    sched = one_f_one_b(plan)
+    back = Schedule.from_dict(json.loads(json.dumps(sched.to_dict())))
+    assert back == sched
+    assert back.ops[2][0] == RF(0, 0)
+
+
+def test_op_from_dict_rejects_unknown_kind():
+    with pytest.raises(ValueError):
+        Op.from_dict({"kind": "warp"})
