@@ -104,35 +104,22 @@ class CostModel(Protocol):
         ...
 
 
-class _Constant(float):
-    """A float that is also a cost function: called with any arguments it returns itself.
-
-    UniformCosts has fields named like the CostModel methods `p2p` and `reduce`; storing them
-    as _Constant lets ``costs.p2p`` read as the number and ``costs.p2p(src, dst, op)`` work as the
-    protocol method."""
-
-    __slots__ = ()
-
-    def __call__(self, *args: object, **kwargs: object) -> float:
-        return float(self)
-
-
 @dataclass
 class UniformCosts:
-    """The same cost for every rank: `fwd` / `bwd` / `optimizer` per op, `p2p` per message,
-    `reduce` per gradient reduction. Implements CostModel; ``costs.p2p`` and ``costs.reduce`` are
-    both the configured numbers and callables returning them."""
+    """The same cost for every rank: `fwd` / `bwd` / `optimizer` per op, `message` per
+    point-to-point message, `reduction` per gradient reduction. Implements CostModel."""
 
     fwd: float = 1.0
     bwd: float = 2.0
-    p2p: float = 0.0
-    reduce: float = 0.0
+    message: float = 0.0
+    reduction: float = 0.0
     optimizer: float = 0.0
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in ("p2p", "reduce"):
-            value = _Constant(value)  # type: ignore[arg-type]
-        object.__setattr__(self, name, value)
+    def p2p(self, src: int, dst: int, op: Op) -> float:
+        return self.message
+
+    def reduce(self, ranks: tuple[int, ...]) -> float:
+        return self.reduction
 
     def compute(self, rank: int, op: Op) -> float:
         kind = op.kind

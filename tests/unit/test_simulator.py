@@ -411,14 +411,14 @@ def test_1f1b_bubble_fraction_other_costs_tp_and_dp(fwd, bwd):
 def test_bubble_grows_with_latency():
     plan = pipeline_plan(4, 4)
     free = simulate(plan, one_f_one_b(plan), UniformCosts())
-    slow = simulate(plan, one_f_one_b(plan), UniformCosts(p2p=0.5))
+    slow = simulate(plan, one_f_one_b(plan), UniformCosts(message=0.5))
     assert slow.bubble_fraction > free.bubble_fraction
     assert slow.iteration_time > free.iteration_time
 
 
 def test_two_stages_two_micro_batches_with_latency_by_hand():
     plan = pipeline_plan(2, 2)
-    res = simulate(plan, one_f_one_b(plan), UniformCosts(fwd=1.0, bwd=2.0, p2p=0.5))
+    res = simulate(plan, one_f_one_b(plan), UniformCosts(fwd=1.0, bwd=2.0, message=0.5))
     # rank 0: F0 SF0 F1 SF1 RB0 B0 RB1 B1 | rank 1: RF0 F0 B0 SB0 RF1 F1 B1 SB1
     #   r0: F0 [0, 1], posts mb0 at 1; F1 [1, 2], posts mb1 at 2; waits for grad 0
     #   r1: RF0 done at 1 + 0.5 = 1.5; F0 [1.5, 2.5]; B0 [2.5, 4.5], posts grad 0 at 4.5
@@ -441,7 +441,7 @@ def test_reduction_and_optimizer_by_hand():
     # Data parallel only, uneven split: rank 0 owns mb 0, rank 1 owns mbs 1 and 2.
     plan = ExecutionPlan(2, 1, 1, 3, [Pipeline([Stage(0, 2, [0])], [0]),
                                       Pipeline([Stage(0, 2, [1])], [1, 2])])
-    res = simulate(plan, one_f_one_b(plan), UniformCosts(reduce=0.25, optimizer=0.5))
+    res = simulate(plan, one_f_one_b(plan), UniformCosts(reduction=0.25, optimizer=0.5))
     # r0: F0 B0 done at 3; r1: F1 B1 F2 B2 done at 6. Reduction over (0, 1) ends at
     # max(3, 6) + 0.25 = 6.25 on both, then the optimizer step: 6.75.
     assert res.rank_finish == {0: 6.75, 1: 6.75}
@@ -499,7 +499,7 @@ def test_custom_cost_model_by_hand():
 def test_validate_and_timeline_switches_do_not_change_times():
     plan = pipeline_plan(4, 6, dp=2)
     sched = one_f_one_b(plan)
-    costs = UniformCosts(p2p=0.25, reduce=0.5, optimizer=0.125)
+    costs = UniformCosts(message=0.25, reduction=0.5, optimizer=0.125)
     full = simulate(plan, sched, costs)
     fast = simulate(plan, sched, costs, validate=False, timeline=False)
     assert isinstance(fast, SimResult)
@@ -516,17 +516,14 @@ def test_validate_and_timeline_switches_do_not_change_times():
 
 # ---- costs -------------------------------------------------------------------------------------
 def test_uniform_costs_fields_and_protocol():
-    c = UniformCosts(fwd=1.5, p2p=0.5, reduce=2.0)
+    c = UniformCosts(fwd=1.5, message=0.5, reduction=2.0)
     assert isinstance(c, CostModel)
-    assert (c.fwd, c.bwd, c.p2p, c.reduce, c.optimizer) == (1.5, 2.0, 0.5, 2.0, 0.0)
     assert c.compute(0, F(0)) == 1.5 and c.compute(0, B(0)) == 2.0 and c.compute(0, OPT) == 0.0
     assert c.p2p(0, 1, SF(0, 1)) == 0.5
     assert c.reduce((0, 1)) == 2.0
-    c.p2p = 0.75
-    assert c.p2p == 0.75 and c.p2p(0, 1, SF(0, 1)) == 0.75
-    assert c == UniformCosts(fwd=1.5, p2p=0.75, reduce=2.0)
-    assert repr(UniformCosts()) == ("UniformCosts(fwd=1.0, bwd=2.0, p2p=0.0, reduce=0.0, "
-                                    "optimizer=0.0)")
+    c.message = 0.75
+    assert c.p2p(0, 1, SF(0, 1)) == 0.75
+    assert c == UniformCosts(fwd=1.5, message=0.75, reduction=2.0)
     with pytest.raises(ValueError, match="only defined for fwd, bwd and optimizer_step"):
         c.compute(3, SF(0, 1))
 
