@@ -18,11 +18,16 @@ class PlanError(ValueError):
 
 @dataclass
 class Stage:
-    """Layers [layer_start, layer_end) of one pipeline, held by `ranks` (one per tensor-parallel rank)."""
+    """Layers [layer_start, layer_end) of one pipeline, held by `ranks` (one per tensor-parallel rank).
+
+    A stage whose ranks are lost has `ranks == []` and `hosts`: for each micro-batch of its
+    pipeline, the ranks of a surviving stage with the same layers (in another pipeline) that run
+    those layers for it (data rerouting)."""
 
     layer_start: int
     layer_end: int
     ranks: list[int]
+    hosts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -135,6 +140,17 @@ class ExecutionPlan:
         stages = self.pipelines[pos.pipeline].stages
         return None if pos.stage == 0 else stages[pos.stage - 1].ranks[pos.tp_rank]
 
+    def path(self, microbatch: int) -> list[list[int]]:
+        """The tensor-parallel rank groups a micro-batch passes through, first layer to last."""
+        for p in self.pipelines:
+            if microbatch in p.micro_batches:
+                return [st.ranks or st.hosts[microbatch] for st in p.stages]
+        raise PlanError(f"micro-batch {microbatch} is owned by no pipeline")
+
+    @property
+    def rerouted(self) -> bool:
+        return any(not st.ranks for p in self.pipelines for st in p.stages)
+
     def replicas(self, rank: int) -> list[int]:
         """Ranks holding exactly the same layers and tensor-parallel shard: the gradient-reduction group."""
         mine = self.stage_of(rank)
@@ -142,9 +158,20 @@ class ExecutionPlan:
         out = []
         for p in self.pipelines:
             for st in p.stages:
-                if (st.layer_start, st.layer_end) == (mine.layer_start, mine.layer_end):
+                if st.ranks and (st.layer_start, st.layer_end) == (mine.layer_start,
+                                                                   mine.layer_end):
                     out.append(st.ranks[tp])
         return sorted(out)
+
+    def misaligned_stages(self) -> tuple[Stage, Stage] | None:
+        """Two stages whose layer ranges overlap without being equal, if any: their gradients
+        cannot be reduced by whole-stage replica groups."""
+        ranges = sorted({(st.layer_start, st.layer_end) for p in self.pipelines for st in p.stages})
+        for (a0, a1), (b0, b1) in zip(ranges, ranges[1:]):
+            if b0 < a1:
+                find = {(st.layer_start, st.layer_end): st for p in self.pipelines for st in p.stages}
+                return find[(a0, a1)], find[(b0, b1)]
+        return None
 
     def _index(self) -> dict[int, RankPosition]:
         if not self._positions:
@@ -177,7 +204,12 @@ class ExecutionPlan:
                 if st.layer_end <= st.layer_start:
                     raise PlanError(f"{where} has an empty layer range "
                                     f"[{st.layer_start}, {st.layer_end})")
-                if len(st.ranks) != self.tensor_parallel:
+                if not st.ranks:
+                    self._validate_hosts(pi, si, p, where)
+                elif st.hosts:
+                    raise PlanError(f"{where} has ranks and hosts: only a stage without ranks is "
+                                    "hosted")
+                elif len(st.ranks) != self.tensor_parallel:
                     raise PlanError(f"{where} has {len(st.ranks)} ranks, tensor parallel size is "
                                     f"{self.tensor_parallel}")
                 for r in st.ranks:
@@ -201,10 +233,30 @@ class ExecutionPlan:
         if missing:
             raise PlanError(f"micro-batches {missing} are owned by no pipeline")
 
+    def _validate_hosts(self, pi: int, si: int, p: Pipeline, where: str) -> None:
+        st = p.stages[si]
+        if sorted(st.hosts) != sorted(p.micro_batches):
+            raise PlanError(f"{where} has no ranks, so each of its pipeline's micro-batches needs "
+                            f"a host; hosts cover {sorted(st.hosts)}, the pipeline owns "
+                            f"{sorted(p.micro_batches)}")
+        replicas = [q.ranks for qi, other in enumerate(self.pipelines) if qi != pi
+                    for q in other.stages
+                    if q.ranks and (q.layer_start, q.layer_end) == (st.layer_start, st.layer_end)]
+        for mb, ranks in st.hosts.items():
+            if list(ranks) not in replicas:
+                raise PlanError(f"{where}: micro-batch {mb} is hosted by ranks {ranks}, which do "
+                                f"not hold layers [{st.layer_start}, {st.layer_end}) in another "
+                                "pipeline")
+
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("_positions")
+        for p in d["pipelines"]:
+            for st in p["stages"]:
+                hosts = st.pop("hosts")
+                if hosts:
+                    st["hosts"] = {str(mb): r for mb, r in sorted(hosts.items())}
         return d
 
     @classmethod
@@ -216,7 +268,8 @@ class ExecutionPlan:
                 micro_batch_size=int(d["micro_batch_size"]),
                 num_micro_batches=int(d["num_micro_batches"]),
                 pipelines=[
-                    Pipeline([Stage(int(s["layer_start"]), int(s["layer_end"]), list(s["ranks"]))
+                    Pipeline([Stage(int(s["layer_start"]), int(s["layer_end"]), list(s["ranks"]),
+                                    {int(mb): list(r) for mb, r in s.get("hosts", {}).items()})
                               for s in p["stages"]], [int(m) for m in p["micro_batches"]])
                     for p in d["pipelines"]
                 ],

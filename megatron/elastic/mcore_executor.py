@@ -12,7 +12,7 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from chameleon_ext.schedule_ir import Op
-from megatron.elastic.schedules import Executor, StageRuntime, StepResult
+from megatron.elastic.schedules import Executor, StageRuntime, StepResult, to_device
 
 
 class MegatronCoreExecutor(Executor):
@@ -33,7 +33,7 @@ class MegatronCoreExecutor(Executor):
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            batch = rt.get_batch(iteration, mb) if (rt.first or rt.last) else None
+            batch = to_device(rt.get_batch(iteration, mb)) if (rt.first or rt.last) else None
             if rt.before_forward:
                 rt.before_forward(iteration, mb)
             out = rt.forward_step(batch, model)

@@ -75,7 +75,7 @@ class Executor:
         self._out_grads: dict[int, torch.Tensor] = {}
         self._in_grads: dict[int, torch.Tensor] = {}
         self._pending: list = []
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=_device())
 
     def run(self, ops: list[Op], iteration: int) -> StepResult:
         rt = self.rt
@@ -126,7 +126,7 @@ class Executor:
         rt = self.rt
         # One SUM over the world turns the last stages' partial sums into the global mean loss.
         mine = rt.last and rt.plan.position(rt.rank).tp_rank == 0
-        loss = self._loss_sum.clone() if mine else torch.zeros((), dtype=torch.float64)
+        loss = self._loss_sum.clone() if mine else torch.zeros_like(self._loss_sum)
         dist.all_reduce(loss)
         return float(loss) / rt.plan.num_micro_batches
 
@@ -152,7 +152,7 @@ class Executor:
     def _fwd(self, op: Op, iteration: int) -> None:
         rt = self.rt
         mb = op.microbatch
-        batch = rt.get_batch(iteration, mb) if (rt.first or rt.last) else None
+        batch = to_device(rt.get_batch(iteration, mb)) if (rt.first or rt.last) else None
         if rt.before_forward:
             rt.before_forward(iteration, mb)
         rt.module.set_input_tensor(self._inputs.get(mb))
@@ -198,6 +198,12 @@ class Executor:
         OpKind.RECV_BWD: _recv_bwd, OpKind.BWD: _bwd, OpKind.SEND_BWD: _send_bwd,
         OpKind.REDUCE_GRADS: _reduce_grads,
     }
+
+
+def to_device(batch: dict) -> dict:
+    dev = _device()
+    return {k: v.to(dev, non_blocking=True) for k, v in batch.items()} if dev.type != "cpu" \
+        else batch
 
 
 def _device() -> torch.device:

@@ -89,6 +89,12 @@ def make_plan(args, world: int) -> ExecutionPlan:
             raise PlanError("plan's tensor_parallel differs from --tensor-model-parallel-size")
         if plan.micro_batch_size != args.micro_batch_size:
             raise PlanError("plan's micro_batch_size differs from --micro-batch-size")
+        clash = plan.misaligned_stages()
+        if clash:
+            a, b = clash
+            raise PlanError(f"stages with layers [{a.layer_start}, {a.layer_end}) and "
+                            f"[{b.layer_start}, {b.layer_end}) overlap: every pipeline must split "
+                            "the layers at the same points")
         args.global_batch_size = plan.global_batch_size
         return plan
     return ExecutionPlan.failure_free(world, args.tensor_model_parallel_size,
@@ -192,7 +198,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                 elapsed_ms=ms, lr=lr, gbs=plan.global_batch_size, loss=res.loss,
                 grad_norm=res.grad_norm, tokens_per_s=tps, skipped=skipped))
             if args.timing_log_level > 0:
-                timers.log(list(_OP_TIMERS), normalizer=args.log_interval)
+                text = timers.get_all_timers_string(list(_OP_TIMERS), normalizer=args.log_interval)
+                _write(bar, rank, text.rstrip() if text else "")
         if valid_loader and it % args.eval_interval == 0:
             vloss = built.executor.evaluate(built.eval_schedule.ops[rank], valid_loader.get,
                                             range(args.eval_iters))

@@ -2,6 +2,8 @@
 4 gloo processes give the same loss per iteration as one process, and as megatron-core's own
 schedules (forward_backward_no_pipelining, 1F1B) on the same model and batches."""
 
+import json
+
 import pytest
 
 from tests.launch import SMALL_MODEL, assert_close, run_job
@@ -61,3 +63,21 @@ def test_resume_from_checkpoint_gives_the_same_losses(single, small_data, tmp_pa
     assert_close(second.losses(), single.losses()[5:])
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
+
+
+def test_hand_written_uneven_plan_matches_single_process(single, small_data, tmp_path):
+    """Uneven stages (1 + 3 layers) and uneven micro-batch ownership (6 + 2) from a plan file."""
+    plan = {"num_layers": 4, "tensor_parallel": 1, "micro_batch_size": 2, "num_micro_batches": 8,
+            "pipelines": [
+                {"stages": [{"layer_start": 0, "layer_end": 1, "ranks": [0]},
+                            {"layer_start": 1, "layer_end": 4, "ranks": [1]}],
+                 "micro_batches": [0, 1, 2, 3, 4, 5]},
+                {"stages": [{"layer_start": 0, "layer_end": 1, "ranks": [2]},
+                            {"layer_start": 1, "layer_end": 4, "ranks": [3]}],
+                 "micro_batches": [6, 7]}]}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    run = run_job(4, common(small_data) + ["--chameleon-plan", str(path)], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 pipeline(s) x 2 stage(s)" in run.stdout
+    assert_close(run.losses(), single.losses())

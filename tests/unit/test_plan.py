@@ -205,3 +205,21 @@ def test_to_dict_is_plain_json():
     assert "_positions" not in d
     assert json.loads(json.dumps(d)) == d
     assert d["pipelines"][0]["stages"][1] == {"layer_start": 1, "layer_end": 2, "ranks": [1]}
+
+
+def test_misaligned_stages_are_found():
+    def plan(splits):
+        pipes = []
+        r = 0
+        for i, cuts in enumerate(splits):
+            stages = []
+            for a, b in zip(cuts, cuts[1:]):
+                stages.append(Stage(a, b, [r]))
+                r += 1
+            pipes.append(Pipeline(stages, [i]))
+        return ExecutionPlan(4, 1, 1, len(splits), pipes)
+
+    assert plan([[0, 2, 4], [0, 2, 4]]).misaligned_stages() is None
+    assert plan([[0, 1, 4], [0, 1, 4]]).misaligned_stages() is None
+    a, b = plan([[0, 2, 4], [0, 1, 4]]).misaligned_stages()
+    assert (a.layer_start, a.layer_end, b.layer_start, b.layer_end) == (0, 1, 0, 2)

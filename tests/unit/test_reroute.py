@@ -1,0 +1,87 @@
+"""Rerouted plans and the list scheduler that runs them."""
+
+import json
+
+import pytest
+
+from chameleon_ext.list_scheduler import list_schedule
+from chameleon_ext.plan import ExecutionPlan, PlanError
+from chameleon_ext.schedule_ir import OpKind, one_f_one_b
+from chameleon_ext.simulator import UniformCosts, simulate
+from chameleon_ext.strategies.reroute import reroute
+
+COSTS = UniformCosts(fwd=1.0, bwd=2.0, message=0.1)
+
+
+@pytest.mark.parametrize("world, pp, mbs", [(4, 2, 8), (8, 4, 16), (6, 2, 12), (8, 2, 4),
+                                            (2, 2, 1), (4, 4, 6)])
+def test_list_schedule_is_1f1b_on_homogeneous_plans(world, pp, mbs):
+    plan = ExecutionPlan.failure_free(world, 1, pp, 4, 1, mbs)
+    ref = simulate(plan, one_f_one_b(plan), COSTS)
+    got = simulate(plan, list_schedule(plan, COSTS), COSTS)
+    assert got.iteration_time == pytest.approx(ref.iteration_time)
+    assert got.peak_inflight == ref.peak_inflight
+
+
+def test_reroute_hosts_the_lost_stage_on_its_replica():
+    plan = ExecutionPlan.failure_free(4, 1, 2, 4, 1, 8)  # pipelines [0, 2] and [1, 3]
+    new = reroute(plan, {3})
+    assert new.generation == 1 and new.world_size == 3
+    lost = new.pipelines[1].stages[1]
+    assert lost.ranks == [] and lost.hosts == {mb: [2] for mb in range(4, 8)}
+    assert new.pipelines[1].stages[0].ranks == [1]
+    assert new.replicas(2) == [2] and new.replicas(0) == [0, 1]
+    assert ExecutionPlan.from_json(new.to_json()) == new
+
+
+def test_rerouted_work_is_spread_over_all_surviving_replicas():
+    plan = ExecutionPlan.failure_free(6, 1, 2, 4, 1, 12)  # 3 pipelines of 4 micro-batches
+    new = reroute(plan, {4})  # pipeline 1, stage 1
+    hosts = new.pipelines[1].stages[1].hosts
+    assert sorted(hosts) == [4, 5, 6, 7]
+    assert sorted(tuple(r) for r in hosts.values()) == [(3,), (3,), (4,), (4,)]
+
+
+def test_rerouted_schedule_is_valid_and_bounded():
+    plan = ExecutionPlan.failure_free(6, 1, 2, 4, 1, 12)
+    base = simulate(plan, one_f_one_b(plan), COSTS)
+    new = reroute(plan, {5})
+    res = simulate(new, list_schedule(new, COSTS), COSTS)  # check() runs inside
+    # 3 pipelines -> 2 carry the work of 3 at stage 1: no better than 1.5x, and the hosts'
+    # extra work fits with at most one stage's worth of additional fill.
+    assert 1.3 * base.iteration_time < res.iteration_time < 1.6 * base.iteration_time
+    assert max(res.peak_inflight.values()) <= 2
+
+
+def test_second_failure_in_another_pipeline_rehosts():
+    plan = ExecutionPlan.failure_free(6, 1, 2, 4, 1, 12)
+    once = reroute(plan, {5})           # old ranks 0..4 -> 0..4
+    twice = reroute(once, {3})          # pipeline 0 stage 1 (old rank 3) now lost too
+    assert twice.world_size == 4 and twice.generation == 2
+    lost = [st for p in twice.pipelines for st in p.stages if not st.ranks]
+    assert len(lost) == 2
+    assert {tuple(r) for st in lost for r in st.hosts.values()} == {(3,)}
+    simulate(twice, list_schedule(twice, COSTS), COSTS)
+
+
+def test_no_surviving_replica_means_reroute_cannot_absorb():
+    plan = ExecutionPlan.failure_free(4, 1, 2, 4, 1, 8)
+    assert reroute(plan, {2, 3}) is None
+    assert reroute(ExecutionPlan.failure_free(4, 1, 4, 4, 1, 4), {1}) is None
+
+
+def test_hosts_must_be_replicas_and_cover_the_pipeline():
+    d = json.loads(reroute(ExecutionPlan.failure_free(4, 1, 2, 4, 1, 8), {3}).to_json())
+    d["pipelines"][1]["stages"][1]["hosts"]["4"] = [0]
+    with pytest.raises(PlanError, match="micro-batch 4 is hosted by ranks \\[0\\]"):
+        ExecutionPlan.from_dict(d)
+    del d["pipelines"][1]["stages"][1]["hosts"]["4"]
+    with pytest.raises(PlanError, match="needs a host"):
+        ExecutionPlan.from_dict(d)
+
+
+def test_host_ops_name_the_failed_pipelines_neighbours():
+    new = reroute(ExecutionPlan.failure_free(4, 1, 2, 4, 1, 8), {3})
+    ops = list_schedule(new, COSTS).ops
+    host_recvs = {(o.microbatch, o.peer) for o in ops[2] if o.kind is OpKind.RECV_FWD}
+    assert host_recvs == {(mb, 0) for mb in range(4)} | {(mb, 1) for mb in range(4, 8)}
