@@ -10,34 +10,9 @@ import pytest
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import Op, OpKind, Schedule, one_f_one_b
 
+from tests.ops import END, B, F, RB, RF, SB, SF
+
 K = OpKind
-
-
-def F(mb):
-    return Op(K.FWD, mb)
-
-
-def B(mb):
-    return Op(K.BWD, mb)
-
-
-def SF(mb, peer):
-    return Op(K.SEND_FWD, mb, peer)
-
-
-def RF(mb, peer):
-    return Op(K.RECV_FWD, mb, peer)
-
-
-def SB(mb, peer):
-    return Op(K.SEND_BWD, mb, peer)
-
-
-def RB(mb, peer):
-    return Op(K.RECV_BWD, mb, peer)
-
-
-END = [Op(K.REDUCE_GRADS), Op(K.OPT_STEP)]
 
 
 def test_1f1b_two_stages_four_micro_batches_by_hand():

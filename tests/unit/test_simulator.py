@@ -11,36 +11,9 @@ from chameleon_ext.schedule_ir import Op, OpKind, Schedule, one_f_one_b
 from chameleon_ext.simulator import (CostModel, ScheduleError, SimResult, UniformCosts, check,
                                      simulate)
 
+from tests.ops import END, OPT, RED, B, F, RB, RF, SB, SF
+
 K = OpKind
-
-
-def F(mb):
-    return Op(K.FWD, mb)
-
-
-def B(mb):
-    return Op(K.BWD, mb)
-
-
-def SF(mb, peer):
-    return Op(K.SEND_FWD, mb, peer)
-
-
-def RF(mb, peer):
-    return Op(K.RECV_FWD, mb, peer)
-
-
-def SB(mb, peer):
-    return Op(K.SEND_BWD, mb, peer)
-
-
-def RB(mb, peer):
-    return Op(K.RECV_BWD, mb, peer)
-
-
-RED = Op(K.REDUCE_GRADS)
-OPT = Op(K.OPT_STEP)
-END = [RED, OPT]
 
 
 def pipeline_plan(p: int, m: int, dp: int = 1, tp: int = 1) -> ExecutionPlan:
