@@ -1,0 +1,586 @@
+"""chameleon-launch: a torchrun-compatible per-node agent that does not kill survivors.
+
+    chameleon-launch --nproc-per-node 4 [--nnodes 2 --node-rank 0] --master-addr HOST \\
+        --master-port PORT [--max-failures 4] [--heartbeat-timeout 5] [--store HOST:PORT] \\
+        train.py --its --args
+    python -m chameleon_ext.launcher ...            (the same)
+
+One agent runs per node. The node-0 agent hosts the job's c10d TCPStore at master-addr:master-port
+(unless --store names an external one; other nodes connect to it). Workers are started with
+torch.distributed.elastic.multiprocessing.start_processes (each in its own session, so its whole
+process group can be signalled); their environment:
+
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank), GROUP_WORLD_SIZE,
+    ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT (0),
+    TORCHELASTIC_MAX_RESTARTS (0), OMP_NUM_THREADS (1 unless set),
+    MASTER_ADDR, MASTER_PORT     the agent's store (host and port): the worker rendezvous
+    TORCHELASTIC_USE_AGENT_STORE "True": env:// connects to that store as a client
+    CHAMELEON_STORE              host:port of the same store (membership.connect_store reads it)
+    CHAMELEON_HEARTBEAT_TIMEOUT  seconds (membership.Membership reads it)
+    CHAMELEON_NODE_RANK          the node rank
+
+Worker rendezvous: there is no second port. Workers connect to the agent's store as clients, so
+the store outlives any worker. A plain ``init_process_group("gloo")`` (env://) works for the first
+world (its keys go under ``default_pg/``, as under torchrun); after an agreement on generation g,
+the survivors create the new world on ``PrefixStore(f"gen{g}", connect_store())``
+(membership.rebuild_world), so keys of an old world are never reused.
+
+Unlike torchrun, when a worker dies the agent does not stop the others: it records the failure in
+the store (membership.report_failure: rank, cause "signal"/"exit", detail, wall time) as soon as it
+sees the exit (SIGCHLD wakes it; a 50 ms poll backs it up) and goes on monitoring. A worker that
+exits 0 is recorded as a clean exit, not a failure. A worker whose heartbeat (if it writes one) is
+older than --heartbeat-timeout is reported as a "hang" and then SIGKILLed (it has been declared
+dead; it must not come back). Every agent writes a heartbeat for its node; when another node's
+agent heartbeat goes stale (and that agent did not say it finished) its workers are reported with
+cause "node". More than --max-failures failures stop the whole job (exit 1).
+
+The agent ends when every worker of the job has exited or been reported failed. Exit status: 0
+when at least one worker finished with 0 and the job was not stopped for --max-failures, else 1;
+on SIGINT/SIGTERM (SIGHUP, SIGQUIT) it terminates its workers (SIGTERM, then SIGKILL after --grace seconds, reaping
+each by PID/process group), reports them, and exits 130 / 143. Killing the node-0 agent takes the
+store with it: the job cannot survive that (keep the store on a machine that stays, or use --store).
+
+Every worker's pid and host are published at ``chameleon/worker/{rank}`` (see membership's key
+layout) when it starts; tools/inject_failure.py uses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from chameleon_ext import membership as mb
+
+PROG = "chameleon-launch"
+POLL_S = 0.05
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def log(msg: str) -> None:
+    print(f"[{PROG}] {msg}", file=sys.stderr, flush=True)
+
+
+def _describe_exit(rc: int) -> tuple[str, str]:
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return "signal", name
+    return "exit", f"exit code {rc}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, allow_abbrev=False,
+        description="torchrun-compatible launcher whose workers survive the loss of a peer")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                   help="workers on this node (the same on every node)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (a fixed number)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+                   help="host of the node-0 agent's store")
+    p.add_argument("--master-port", "--master_port", type=int, default=29500,
+                   help="port of the node-0 agent's store (0: any free port, one node only)")
+    p.add_argument("--max-failures", type=int, default=4,
+                   help="worker failures the job tolerates before it is stopped (default 4)")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds after which a silent heartbeat means a lost worker or node")
+    p.add_argument("--store", metavar="HOST:PORT", default=None,
+                   help="use this external TCPStore instead of hosting one")
+    p.add_argument("--store-timeout", type=float, default=60.0,
+                   help="seconds to wait for the store (connecting)")
+    p.add_argument("--join-timeout", type=float, default=600.0,
+                   help="seconds after which a node whose agent never appeared counts as lost")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping workers")
+    p.add_argument("--log-dir", default=None,
+                   help="write each worker's stdout/stderr under this directory (and echo them)")
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run the training script as an executable, not with python")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="the training script is a python module (python -m)")
+    p.add_argument("training_script")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+class Agent:
+    def __init__(self, args: argparse.Namespace):
+        self.a = args
+        self.nproc = args.nproc_per_node
+        self.world_size = self.nproc * args.nnodes
+        self.node = args.node_rank
+        self.ranks = [self.node * self.nproc + lr for lr in range(self.nproc)]
+        self.server: dist.TCPStore | None = None
+        self.store: dist.TCPStore | None = None
+        self.store_addr = ""
+        self.m: mb.Membership | None = None
+        self.ctx = None
+        self.running: dict[int, object] = {}     # local rank -> Popen
+        self.pids: dict[int, int] = {}
+        self.outcome: dict[int, int] = {}         # local rank -> return code
+        self.reported: set[int] = set()           # global ranks reported failed by this agent
+        self.lost_nodes: set[int] = set()
+        self.stop_signal: int | None = None
+        self.aborted: str | None = None
+        self.store_broken = False
+        self.tmp_log_dir: str | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._last_wake = time.time()
+        self._last_loop = time.time()
+        self._woken_by_signal = False
+
+    # ------------------------------------------------------------------ signals
+
+    def _on_signal(self, signum, frame) -> None:
+        if signum in STOP_SIGNALS:
+            if self.stop_signal is not None and self.ctx is not None:
+                self._kill_all(signal.SIGKILL)     # a second Ctrl-C: no more grace
+            self.stop_signal = self.stop_signal or signum
+
+    def _install_signals(self) -> None:
+        for s in (*STOP_SIGNALS, signal.SIGCHLD):
+            signal.signal(s, self._on_signal)
+
+    def _wait(self, timeout: float) -> None:
+        """Sleep until a signal arrives (SIGCHLD: a worker changed state) or `timeout`."""
+        ready, _, _ = select.select([self._wake_r], [], [], timeout)
+        if ready:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+            self._woken_by_signal = True
+            self._last_wake = time.time()
+        else:
+            self._woken_by_signal = False
+
+    # ------------------------------------------------------------------ store
+
+    def _open_store(self) -> None:
+        a = self.a
+        if a.store:
+            host, port = mb.parse_store_spec(a.store)
+            self._wait_for_port(host, port, a.store_timeout)
+            if self.stop_signal:
+                return
+            self.store = mb.connect_store(a.store, timeout_s=a.store_timeout)
+        elif self.node == 0:
+            host, port = a.master_addr, a.master_port
+            try:
+                self.server = dist.TCPStore(host, port, None, True,
+                                            timedelta(seconds=a.store_timeout),
+                                            wait_for_workers=False)
+            except Exception as e:
+                raise mb.MembershipError(f"cannot host the store at {host}:{port}: "
+                                         f"{str(e).splitlines()[0]}") from e
+            port = self.server.port
+            self.store = self.server
+        else:
+            host, port = a.master_addr, a.master_port
+            self._wait_for_port(host, port, a.store_timeout)
+            if self.stop_signal:
+                return
+            self.store = mb.connect_store(f"{host}:{port}", timeout_s=a.store_timeout)
+        self.store_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.host, self.port = host, port
+        self.m = mb.Membership(self.store, None, self.world_size, a.heartbeat_timeout)
+
+    def _wait_for_port(self, host: str, port: int, timeout_s: float) -> None:
+        """Wait for node 0's store in Python (a c10d connect would not see Ctrl-C)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.stop_signal:
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise mb.MembershipError(f"no store at {host}:{port} after {timeout_s:g} s "
+                                             f"({e.strerror or e}): is the node-0 agent "
+                                             "running?") from None
+                self._wait(0.2)
+
+    def _safe(self, fn, *args, **kw):
+        """Run a store operation; a broken store is logged once and makes the job fail."""
+        try:
+            return fn(*args, **kw)
+        except Exception as e:
+            if not self.store_broken:
+                self.store_broken = True
+                log(f"the store at {self.store_addr} is unreachable ({str(e).splitlines()[0]}); "
+                    "monitoring the local workers only")
+            return None
+
+    # ------------------------------------------------------------------ workers
+
+    def _worker_envs(self) -> dict[int, dict[str, str]]:
+        a = self.a
+        envs = {}
+        for lr, rank in enumerate(self.ranks):
+            e = {
+                "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(self.nproc),
+                "GROUP_RANK": str(self.node), "GROUP_WORLD_SIZE": str(a.nnodes),
+                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size),
+                "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "chameleon",
+                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),
+                mb.STORE_ENV: self.store_addr,
+                mb.HEARTBEAT_ENV: repr(float(a.heartbeat_timeout)),
+                "CHAMELEON_NODE_RANK": str(self.node),
+            }
+            if "OMP_NUM_THREADS" not in os.environ:
+                e["OMP_NUM_THREADS"] = "1"
+            envs[lr] = e
+        return envs
+
+    def _start_workers(self) -> None:
+        a = self.a
+        if a.no_python:
+            entry, pre = a.training_script, ()
+        elif a.module:
+            entry, pre = sys.executable, ("-u", "-m", a.training_script)
+        else:
+            entry, pre = sys.executable, ("-u", a.training_script)
+        args = {lr: (*pre, *a.training_script_args) for lr in range(self.nproc)}
+        if a.log_dir:
+            specs = DefaultLogsSpecs(log_dir=a.log_dir, redirects=Std.ALL, tee=Std.ALL)
+            prefixes = {lr: f"[rank{r}]:" for lr, r in enumerate(self.ranks)}
+        else:
+            self.tmp_log_dir = tempfile.mkdtemp(prefix="chameleon_launch_")
+            specs, prefixes = DefaultLogsSpecs(log_dir=self.tmp_log_dir), None
+        self.ctx = start_processes(name="chameleon", entrypoint=entry, args=args,
+                                   envs=self._worker_envs(), logs_specs=specs,
+                                   log_line_prefixes=prefixes)
+        # start_processes installs handlers that raise SignalException; use ours instead.
+        self._install_signals()
+        now = time.time()
+        for lr, h in self.ctx.subprocess_handlers.items():
+            self.running[lr] = h.proc
+            self.pids[lr] = h.proc.pid
+        hostname = socket.gethostname()
+        for lr, rank in enumerate(self.ranks):
+            pid = self.pids[lr]
+            try:
+                pgid = os.getpgid(pid)
+            except ProcessLookupError:
+                pgid = pid
+            self._safe(self.store.set, mb.key_worker(rank), json.dumps(
+                {"rank": rank, "local_rank": lr, "node": self.node, "host": hostname,
+                 "pid": pid, "pgid": pgid, "agent_pid": os.getpid(), "started": now}))
+        self._safe(self.store.set, mb.key_node(self.node), json.dumps(
+            {"node": self.node, "host": hostname, "agent_pid": os.getpid(),
+             "ranks": self.ranks, "started": now}))
+        pids = ", ".join(str(self.pids[lr]) for lr in range(self.nproc))
+        span = (f"rank {self.ranks[0]}" if self.nproc == 1
+                else f"ranks {self.ranks[0]}-{self.ranks[-1]}")
+        log(f"node {self.node}: started {self.nproc} worker(s), {span} of {self.world_size} "
+            f"(pids {pids}); store {self.store_addr}")
+
+    def _signal_worker(self, lr: int, sig: int) -> None:
+        pid = self.pids[lr]
+        try:
+            os.killpg(pid, sig)       # each worker leads its own session / process group
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _kill_all(self, sig: int) -> None:
+        for lr in list(self.running):
+            self._signal_worker(lr, sig)
+
+    def _reap(self) -> list[tuple[int, int]]:
+        done = []
+        for lr, proc in list(self.running.items()):
+            rc = proc.poll()
+            if rc is not None:
+                del self.running[lr]
+                self.outcome[lr] = rc
+                done.append((lr, rc))
+        return done
+
+    def _handle_exit(self, lr: int, rc: int, *, stopping: str | None = None) -> None:
+        rank, pid = self.ranks[lr], self.pids[lr]
+        if rc == 0:
+            self._safe(self.m.record_exit, rank, 0)
+            log(f"worker rank {rank} (pid {pid}) exited 0")
+            return
+        if self.aborted is not None and stopping is None:
+            return                     # stopped by us on --max-failures: not a new failure
+        cause, detail = _describe_exit(rc)
+        if stopping:
+            detail = f"{detail} ({stopping})"
+        if rank in self.reported:      # already reported (a hang we killed)
+            return
+        # An upper bound of death -> record: from the SIGCHLD wake-up (or the previous poll).
+        t0 = self._last_wake if self._woken_by_signal else self._last_loop
+        rec = self._safe(self.m.report_failure, rank, cause, detail,
+                         detect_ms=round((time.time() - t0) * 1000.0, 3),
+                         reporter=f"agent node {self.node} pid {os.getpid()}")
+        self.reported.add(rank)
+        what = f"signal {detail}" if cause == "signal" else detail
+        where = "reported to the store" if rec is not None else "store unreachable: NOT reported"
+        log(f"worker rank {rank} (pid {pid}) died: {what}; {where}")
+
+    # ------------------------------------------------------------------ watching others
+
+    def _check_hangs(self) -> None:
+        ranks = [self.ranks[lr] for lr in self.running if self.ranks[lr] not in self.reported]
+        if not ranks:
+            return
+        ages = self._safe(self.m.heartbeat_ages, ranks) or {}
+        for rank, age in ages.items():
+            if age > self.a.heartbeat_timeout:
+                lr = rank - self.node * self.nproc
+                rec = self._safe(self.m.report_failure, rank, "hang",
+                                 f"heartbeat silent for {age:.1f} s",
+                                 reporter=f"agent node {self.node} pid {os.getpid()}")
+                self.reported.add(rank)
+                self._signal_worker(lr, signal.SIGKILL)
+                log(f"worker rank {rank} (pid {self.pids[lr]}) hung: heartbeat silent for "
+                    f"{age:.1f} s; " + ("reported to the store" if rec else "NOT reported")
+                    + "; killed it")
+
+    def _node_ranks(self, node: int) -> list[int]:
+        info = self._safe(mb.node_info, self.store, node)
+        if info:
+            return [int(r) for r in info["ranks"]]
+        return list(range(node * self.nproc, (node + 1) * self.nproc))
+
+    def _check_nodes(self, start: float) -> None:
+        others = [n for n in range(self.a.nnodes) if n != self.node and n not in self.lost_nodes]
+        if not others:
+            return
+        stale = self._safe(self.m.stale_nodes, nodes=others)
+        if stale is None:
+            return
+        now = time.time()
+        for n in others:
+            reason = None
+            if n in stale:
+                reason = f"node {n} agent heartbeat silent for more than " \
+                         f"{self.a.heartbeat_timeout:g} s"
+            elif now - start > self.a.join_timeout and not self._safe(
+                    self.store.check, [mb.key_agent_hb(n)]):
+                reason = f"node {n} agent never joined within {self.a.join_timeout:g} s"
+            if reason is None:
+                continue
+            self.lost_nodes.add(n)
+            done = set((self._safe(self.m.failures) or {})) | set(self._safe(self.m.exited) or [])
+            lost = [r for r in self._node_ranks(n) if r not in done]
+            for r in lost:
+                self._safe(self.m.report_failure, r, "node", reason,
+                           reporter=f"agent node {self.node} pid {os.getpid()}")
+            log(f"{reason}: ranks {lost} reported lost")
+
+    def _check_failure_budget(self) -> None:
+        if self.aborted is not None:
+            return
+        if self._safe(self.store.check, [mb.KEY_ABORT]):
+            self.aborted = (self._safe(self.store.get, mb.KEY_ABORT) or b"").decode()
+            log(f"the job is being stopped: {self.aborted}")
+            self._stop_workers(reason="job stopped", report=False)
+            return
+        fails = self._safe(self.m.failures)
+        if fails is not None and len(fails) > self.a.max_failures:
+            reason = (f"{len(fails)} worker failures exceed --max-failures "
+                      f"{self.a.max_failures}")
+            self._safe(self.store.compare_set, mb.KEY_ABORT, "", reason)
+            self.aborted = reason
+            log(f"{reason}: stopping the job")
+            self._stop_workers(reason="job stopped", report=False)
+
+    def _stop_workers(self, reason: str, report: bool) -> None:
+        """SIGTERM every running worker, SIGKILL after --grace, reap them all."""
+        if self.running:
+            self._kill_all(signal.SIGTERM)
+            deadline = time.monotonic() + self.a.grace
+            while self.running and time.monotonic() < deadline:
+                for lr, rc in self._reap():
+                    self._finish_stopped(lr, rc, reason, report)
+                if self.running:
+                    self._wait(0.02)
+            if self.running:
+                self._kill_all(signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while self.running and time.monotonic() < deadline:
+                for lr, rc in self._reap():
+                    self._finish_stopped(lr, rc, reason, report)
+                if self.running:
+                    self._wait(0.02)
+            for lr in list(self.running):
+                log(f"worker pid {self.pids[lr]} could not be reaped (uninterruptible?)")
+
+    def _finish_stopped(self, lr: int, rc: int, reason: str, report: bool) -> None:
+        if report:
+            self._handle_exit(lr, rc, stopping=reason)
+
+    def _accounted(self) -> bool:
+        fails = self._safe(self.m.failures)
+        exits = self._safe(self.m.exited)
+        if fails is None or exits is None:
+            return True                 # no store: nothing more to wait for
+        return set(range(self.world_size)) <= set(fails) | set(exits)
+
+    # ------------------------------------------------------------------ main
+
+    def run(self) -> int:
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        self._install_signals()
+        try:
+            return self._run()
+        except SignalException as e:     # a signal inside start_processes
+            self.stop_signal = self.stop_signal or int(e.sigval)
+            return self._interrupted()
+        finally:
+            if self.ctx is not None:
+                try:
+                    self.ctx.close(timeout=1)
+                except Exception:
+                    pass
+            if self.tmp_log_dir:
+                shutil.rmtree(self.tmp_log_dir, ignore_errors=True)
+
+    def _run(self) -> int:
+        a = self.a
+        self._open_store()
+        if self.stop_signal or self.store is None:
+            return self._interrupted()
+        start = time.time()
+        if self.node == 0 or a.store:
+            self._safe(self.store.compare_set, mb.key_job(), "", json.dumps(
+                {"world_size": self.world_size, "nnodes": a.nnodes, "nproc_per_node": self.nproc,
+                 "heartbeat_timeout": a.heartbeat_timeout, "started": start}))
+        hb_interval = min(1.0, max(0.05, a.heartbeat_timeout / 5))
+        self._safe(self.store.set, mb.key_agent_hb(self.node), f"{time.time():.6f}")
+        self._start_workers()
+        last_hb = time.monotonic()
+        last_watch = 0.0
+        while self.running:
+            if self.stop_signal:
+                return self._interrupted()
+            for lr, rc in self._reap():
+                self._handle_exit(lr, rc)
+            self._last_loop = time.time()
+            if not self.running:
+                break
+            mono = time.monotonic()
+            if mono - last_hb >= hb_interval:
+                self._safe(self.store.set, mb.key_agent_hb(self.node), f"{time.time():.6f}")
+                last_hb = mono
+            if mono - last_watch >= min(hb_interval, 0.25):
+                self._check_hangs()
+                self._check_nodes(start)
+                last_watch = mono
+            self._check_failure_budget()
+            if self.running:
+                self._wait(POLL_S)
+        # All local workers are done. Say so, then wait for the rest of the job (this store and
+        # the heartbeat may still be needed by the other nodes).
+        self._safe(self.store.set, mb.key_agent_hb(self.node), f"{time.time():.6f}")
+        self._safe(self.store.set, mb.key_agent_done(self.node), f"{time.time():.6f}")
+        while not self.store_broken and self.aborted is None and not self._accounted():
+            if self.stop_signal:
+                return self._interrupted()
+            if time.monotonic() - last_hb >= hb_interval:
+                self._safe(self.store.set, mb.key_agent_hb(self.node), f"{time.time():.6f}")
+                last_hb = time.monotonic()
+            self._check_nodes(start)
+            self._check_failure_budget()
+            self._wait(POLL_S)
+        if self.aborted is not None and self.server is not None:
+            self._wait_for_agents(self.a.grace + 5.0)
+        return self._summary()
+
+    def _wait_for_agents(self, limit_s: float) -> None:
+        """The store host lingers until the other agents have finished (or are gone)."""
+        deadline = time.monotonic() + limit_s
+        others = [n for n in range(self.a.nnodes) if n != self.node]
+        while others and time.monotonic() < deadline and not self.store_broken:
+            lost = self._safe(self.m.stale_nodes, nodes=others) or set()
+            others = [n for n in others if n not in lost
+                      and not self._safe(self.store.check, [mb.key_agent_done(n)])]
+            self._wait(POLL_S)
+
+    def _summary(self) -> int:
+        fails = self._safe(self.m.failures) or {}
+        exits = self._safe(self.m.exited)
+        if exits is None or self.store_broken:
+            exits = [self.ranks[lr] for lr, rc in self.outcome.items() if rc == 0]
+        if self.aborted is None and not self.store_broken:
+            abort = self._safe(self.store.check, [mb.KEY_ABORT])
+            if abort:
+                self.aborted = (self._safe(self.store.get, mb.KEY_ABORT) or b"").decode()
+        ok = bool(exits) and self.aborted is None and not self.store_broken
+        failed = ", ".join(f"rank {r}: {f.cause}" + (f" ({f.detail})" if f.detail else "")
+                           for r, f in sorted(fails.items()))
+        code = 0 if ok else 1
+        log(f"node {self.node} done: {len(exits)} worker(s) finished, {len(fails)} failed"
+            + (f" ({failed})" if failed else "")
+            + (f"; stopped: {self.aborted}" if self.aborted else "") + f"; exit {code}")
+        return code
+
+    def _interrupted(self) -> int:
+        sig = self.stop_signal or signal.SIGTERM
+        name = signal.Signals(sig).name
+        if self.running:
+            log(f"got {name}: stopping {len(self.running)} worker(s)")
+        self._stop_workers(reason=f"stopped by the agent on {name}",
+                           report=self.m is not None and not self.store_broken)
+        if self.store is not None and not self.store_broken:
+            self._safe(self.store.set, mb.key_agent_done(self.node), f"{time.time():.6f}")
+        return 128 + int(sig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("nproc_per_node", "nnodes"):
+        if getattr(args, name) < 1:
+            print(f"{PROG}: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if not 0 <= args.node_rank < args.nnodes:
+        print(f"{PROG}: error: --node-rank {args.node_rank} is not in 0..{args.nnodes - 1}",
+              file=sys.stderr)
+        return 2
+    if args.max_failures < 0 or args.heartbeat_timeout <= 0:
+        print(f"{PROG}: error: --max-failures must be >= 0 and --heartbeat-timeout > 0",
+              file=sys.stderr)
+        return 2
+    if args.store:
+        try:
+            mb.parse_store_spec(args.store)
+        except ValueError as e:
+            print(f"{PROG}: error: --store: {e}", file=sys.stderr)
+            return 2
+    agent = Agent(args)
+    try:
+        return agent.run()
+    except mb.MembershipError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

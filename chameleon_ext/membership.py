@@ -1,0 +1,551 @@
+"""Membership over torch's c10d store: heartbeats, failure records, agreement, generations.
+
+Everything here talks to the job's TCPStore (hosted by the node-0 ``chameleon-launch`` agent, or an
+external one), never to a process group: a broken process group cannot be used to agree on how to
+replace it. Workers and agents use the same functions.
+
+Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text or JSON)::
+
+    chameleon/job                      JSON {"world_size", "nnodes", "nproc_per_node",
+                                       "heartbeat_timeout", "started"}       (node-0 agent)
+    chameleon/worker/{rank}            JSON {"rank", "local_rank", "node", "host", "pid", "pgid",
+                                       "agent_pid", "started"}   (set by the agent when it starts
+                                       the worker; inject_failure.py reads it)
+    chameleon/node/{node}              JSON {"node", "host", "agent_pid", "ranks", "started"}
+    chameleon/agent_hb/{node}          wall time (time.time()) of the node agent's last heartbeat
+    chameleon/agent_done/{node}        set when that agent has finished (not a node loss)
+    chameleon/hb/{rank}                wall time of the worker's last heartbeat; "off:<time>" once
+                                       it stopped heartbeating on purpose (Membership.stop)
+    chameleon/failure/{rank}           JSON FailureRecord; the first report wins (compare_set)
+    chameleon/failures                 append log "r,r,..." of reported ranks (may repeat)
+    chameleon/exit/{rank}              JSON {"rank", "exitcode": 0, "time"}: a clean exit
+    chameleon/exits                    append log "r,r,..." of cleanly exited ranks
+    chameleon/abort                    reason text: the job is being stopped (--max-failures)
+    chameleon/generation               the latest agreed generation (set by its leader)
+    chameleon/gen/{g}/arrived/{rank}   wall time a rank arrived at agreement g
+    chameleon/gen/{g}/arrivals         append log "r,r,..." of arrived ranks
+    chameleon/gen/{g}/final            JSON Agreement, written once (compare_set) by the leader
+    chameleon/gen/{g}/pub/{key}        bytes published for generation g (e.g. the plan JSON)
+
+Process groups of generation g rendezvous on ``PrefixStore(f"gen{g}", store)`` (see
+``generation_store`` and ``rebuild_world``); generation 0 may also use ``env://`` under the launcher
+(its keys live under ``default_pg/``), so no prefix is ever reused.
+
+A survivor's recovery, in order (what tests/dist/test_launcher.py runs)::
+
+    store = connect_store(); m = Membership.from_env(store); m.start_heartbeat()
+    ...
+    except RuntimeError:                      # a collective failed ("Connection reset by peer")
+        dist.destroy_process_group()          # FIRST: closing our sockets makes peers that are
+                                              # still blocked in the collective fail at once
+        ag = m.agree(generation + 1, alive)   # on the store, never on the broken group
+        new_rank = rebuild_world(store, ag, old_rank)   # PrefixStore(f"gen{g}", store)
+        generation, alive = ag.generation, ag.alive
+
+Without the destroy, a survivor that is not a TCP neighbour of the dead rank may wait in the
+collective until another survivor exits (or the group timeout), and agreement times out on it.
+
+Heartbeat ages compare wall clocks (``time.time()``): across nodes the clocks must agree to well
+within the heartbeat timeout (NTP). A rank that never wrote a heartbeat is never heartbeat-stale;
+it can still be stale through its node agent (a node agent whose heartbeat is stale and that did
+not say it finished takes all of its ranks with it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+STORE_ENV = "CHAMELEON_STORE"
+HEARTBEAT_ENV = "CHAMELEON_HEARTBEAT_TIMEOUT"
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0
+ROOT = "chameleon"
+
+CAUSES = ("exit", "signal", "hang", "comm", "node")
+
+
+# ----------------------------------------------------------------------------------- key layout
+
+def key_job() -> str:
+    return f"{ROOT}/job"
+
+
+def key_worker(rank: int) -> str:
+    return f"{ROOT}/worker/{rank}"
+
+
+def key_node(node: int) -> str:
+    return f"{ROOT}/node/{node}"
+
+
+def key_agent_hb(node: int) -> str:
+    return f"{ROOT}/agent_hb/{node}"
+
+
+def key_agent_done(node: int) -> str:
+    return f"{ROOT}/agent_done/{node}"
+
+
+def key_hb(rank: int) -> str:
+    return f"{ROOT}/hb/{rank}"
+
+
+def key_failure(rank: int) -> str:
+    return f"{ROOT}/failure/{rank}"
+
+
+KEY_FAILURES = f"{ROOT}/failures"
+KEY_EXITS = f"{ROOT}/exits"
+KEY_ABORT = f"{ROOT}/abort"
+KEY_GENERATION = f"{ROOT}/generation"
+
+
+def key_exit(rank: int) -> str:
+    return f"{ROOT}/exit/{rank}"
+
+
+def gen_prefix(generation: int) -> str:
+    return f"{ROOT}/gen/{generation}"
+
+
+# ----------------------------------------------------------------------------------- errors, data
+
+class MembershipError(RuntimeError):
+    """A membership operation that cannot complete; the message names the cause."""
+
+
+class AgreementTimeout(MembershipError, TimeoutError):
+    """agree() did not converge in time; `missing` are the expected ranks that never arrived."""
+
+    def __init__(self, generation: int, timeout_s: float, missing: list[int], arrived: list[int],
+                 failed: list[int]):
+        self.generation, self.timeout_s = generation, timeout_s
+        self.missing, self.arrived, self.failed = missing, arrived, failed
+        super().__init__(
+            f"agreement on generation {generation} timed out after {timeout_s:g} s: "
+            f"ranks {missing} never arrived (arrived: {arrived}; failed or stale: {failed})")
+
+
+class ExcludedFromAgreement(MembershipError):
+    """This rank was declared failed (or stale) and is not in the agreed alive list."""
+
+
+class PublishTimeout(MembershipError, TimeoutError):
+    """read() found nothing published under the key in time (or its publisher failed)."""
+
+
+@dataclass
+class FailureRecord:
+    rank: int
+    cause: str                  # one of CAUSES
+    detail: str = ""
+    time: float = 0.0           # wall time the failure was observed
+    detect_ms: float | None = None   # failure -> record latency, when the reporter knows it
+    reporter: str = ""          # "agent node 0 pid 123", "rank 2 pid 456", ...
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "FailureRecord":
+        d = json.loads(text)
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
+class Agreement:
+    generation: int             # the new generation this agreement opens
+    alive: list[int]            # sorted old ranks that continue; new rank = alive.index(old rank)
+    failed: list[int]           # candidates not in `alive` (failed, stale or exited cleanly)
+    leader: int                 # lowest alive rank: it published this list
+    causes: dict[int, str] = field(default_factory=dict)   # failed rank -> cause / "stale" / "exited"
+
+    @property
+    def world_size(self) -> int:
+        return len(self.alive)
+
+    def new_rank(self, old_rank: int) -> int:
+        return self.alive.index(old_rank)
+
+    def to_json(self) -> str:
+        return json.dumps({"generation": self.generation, "alive": self.alive,
+                           "failed": self.failed, "leader": self.leader,
+                           "causes": {str(k): v for k, v in self.causes.items()}})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Agreement":
+        d = json.loads(text)
+        return cls(int(d["generation"]), [int(r) for r in d["alive"]],
+                   [int(r) for r in d["failed"]], int(d["leader"]),
+                   {int(k): v for k, v in d.get("causes", {}).items()})
+
+
+# ----------------------------------------------------------------------------------- the store
+
+def parse_store_spec(spec: str) -> tuple[str, int]:
+    """'host:port' (or '[v6addr]:port') -> (host, port); ValueError naming the problem."""
+    spec = spec.strip()
+    host, sep, port = spec.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"store address {spec!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise ValueError(f"store address {spec!r}: port {port!r} is not an integer") from None
+    if not 0 < port_n < 65536:
+        raise ValueError(f"store address {spec!r}: port {port_n} is out of range")
+    return host, port_n
+
+
+def connect_store(spec: str | None = None, timeout_s: float = 60.0) -> dist.TCPStore:
+    """A TCPStore client of the job's store ('host:port'; default: $CHAMELEON_STORE).
+
+    `timeout_s` is the store's timeout: how long connecting retries and how long a blocking
+    get/wait on an absent key waits. This module never blocks on absent keys (it tests with check).
+    """
+    if spec is None:
+        spec = os.environ.get(STORE_ENV)
+        if not spec:
+            raise MembershipError(f"no store address: ${STORE_ENV} is not set "
+                                  "(start the job with chameleon-launch, or pass host:port)")
+    host, port = parse_store_spec(spec)
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except Exception as e:   # DistStoreError, RuntimeError
+        raise MembershipError(f"cannot connect to the store at {host}:{port} "
+                              f"within {timeout_s:g} s: {e}") from e
+
+
+def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:
+    """The rendezvous store of generation `generation`'s process groups."""
+    return dist.PrefixStore(f"gen{generation}", store)
+
+
+def rebuild_world(store: dist.Store, agreement: Agreement, old_rank: int, backend: str = "gloo",
+                  timeout_s: float = 60.0) -> int:
+    """Destroy the current default group (if any) and create the agreement's world on
+    PrefixStore(f"gen{g}", store); returns this rank's new rank."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    new_rank = agreement.new_rank(old_rank)
+    dist.init_process_group(backend, store=generation_store(store, agreement.generation),
+                            rank=new_rank, world_size=agreement.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return new_rank
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _parse_log(v: bytes | str) -> list[int]:
+    out: list[int] = []
+    for tok in _text(v).split(","):
+        tok = tok.strip()
+        if tok:
+            r = int(tok)
+            if r not in out:
+                out.append(r)
+    return out
+
+
+def _read_log(store: dist.Store, key: str) -> list[int]:
+    return _parse_log(store.get(key)) if store.check([key]) else []
+
+
+def _hb_age(value: bytes | str, now: float) -> float | None:
+    """Age in seconds of a heartbeat value; None when it was switched off on purpose."""
+    v = _text(value)
+    if v.startswith("off"):
+        return None
+    try:
+        return now - float(v)
+    except ValueError:
+        return None
+
+
+# ----------------------------------------------------------------------------------- Membership
+
+class Membership:
+    """One process's view of the job's membership (a worker: rank >= 0; an observer: rank None).
+
+    The caller's store is used from the calling thread only; the heartbeat thread uses its own
+    connection (``store.clone()``), so a main thread blocked in a store get (a gloo rendezvous, for
+    example) never delays heartbeats.
+    """
+
+    def __init__(self, store: dist.Store, rank: int | None, world_size: int,
+                 heartbeat_timeout: float | None = None):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        if heartbeat_timeout is None:
+            heartbeat_timeout = float(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_TIMEOUT))
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self._hb_thread: threading.Thread | None = None
+        self._hb_stop = threading.Event()
+        self._failure_cache: dict[int, FailureRecord] = {}
+        self._worker_nodes: dict[int, int] = {}
+
+    @classmethod
+    def from_env(cls, store: dist.Store | None = None) -> "Membership":
+        """RANK, WORLD_SIZE, CHAMELEON_HEARTBEAT_TIMEOUT and CHAMELEON_STORE of a launched worker."""
+        return cls(store if store is not None else connect_store(),
+                   int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+
+    # --- heartbeats
+
+    def heartbeat_once(self, store: dist.Store | None = None) -> None:
+        self._require_rank("heartbeat")
+        (store or self.store).set(key_hb(self.rank), f"{time.time():.6f}")
+
+    def start_heartbeat(self, interval: float | None = None) -> None:
+        """A daemon thread writing this rank's timestamp every `interval` s (default timeout/4)."""
+        self._require_rank("heartbeat")
+        if self._hb_thread is not None:
+            return
+        if interval is None:
+            interval = min(1.0, max(0.05, self.heartbeat_timeout / 4))
+        try:
+            hb_store = self.store.clone()
+        except Exception:       # a store type without clone: share it (and its lock)
+            hb_store = self.store
+        self.heartbeat_once(hb_store)
+        self._hb_stop.clear()
+
+        def beat() -> None:
+            failures = 0
+            while not self._hb_stop.wait(interval):
+                try:
+                    self.heartbeat_once(hb_store)
+                    failures = 0
+                except Exception as e:   # the store is gone: nothing to report to
+                    failures += 1
+                    if failures == 3:
+                        print(f"[chameleon] rank {self.rank}: heartbeat to the store failing: {e}",
+                              file=sys.stderr, flush=True)
+
+        self._hb_thread = threading.Thread(target=beat, name=f"chameleon-hb-{self.rank}",
+                                           daemon=True)
+        self._hb_thread.start()
+
+    def stop(self, retire: bool = True) -> None:
+        """Stop the heartbeat thread; with `retire`, mark the heartbeat off so that this rank is
+        not seen as stale (or hung) for no longer heartbeating."""
+        if self._hb_thread is not None:
+            self._hb_stop.set()
+            self._hb_thread.join(timeout=5)
+            self._hb_thread = None
+        if retire and self.rank is not None:
+            try:
+                self.store.set(key_hb(self.rank), f"off:{time.time():.6f}")
+            except Exception:
+                pass
+
+    def heartbeat_ages(self, ranks: list[int], now: float | None = None) -> dict[int, float]:
+        """Seconds since each rank's last heartbeat, for ranks that have one (and did not retire)."""
+        now = time.time() if now is None else now
+        present = [r for r in ranks if self.store.check([key_hb(r)])]
+        if not present:
+            return {}
+        values = self.store.multi_get([key_hb(r) for r in present])
+        ages = {}
+        for r, v in zip(present, values):
+            age = _hb_age(v, now)
+            if age is not None:
+                ages[r] = age
+        return ages
+
+    def stale_ranks(self, ranks: list[int], now: float | None = None) -> list[int]:
+        """Ranks whose heartbeat is older than heartbeat_timeout, or whose node agent's is."""
+        now = time.time() if now is None else now
+        stale = {r for r, age in self.heartbeat_ages(list(ranks), now).items()
+                 if age > self.heartbeat_timeout}
+        lost_nodes = self.stale_nodes(now=now, nodes=self._nodes_of(ranks))
+        stale.update(r for r in ranks if self._worker_nodes.get(r) in lost_nodes)
+        return sorted(stale)
+
+    def _nodes_of(self, ranks) -> set[int]:
+        for r in ranks:
+            if r not in self._worker_nodes and self.store.check([key_worker(r)]):
+                self._worker_nodes[r] = int(json.loads(self.store.get(key_worker(r)))["node"])
+        return {self._worker_nodes[r] for r in ranks if r in self._worker_nodes}
+
+    def stale_nodes(self, now: float | None = None, nodes=None) -> set[int]:
+        """Nodes whose agent heartbeat is older than heartbeat_timeout and that did not finish."""
+        now = time.time() if now is None else now
+        out = set()
+        for n in sorted(nodes or ()):
+            if not self.store.check([key_agent_hb(n)]) or self.store.check([key_agent_done(n)]):
+                continue
+            age = _hb_age(self.store.get(key_agent_hb(n)), now)
+            if age is not None and age > self.heartbeat_timeout:
+                out.add(n)
+        return out
+
+    # --- failures and exits
+
+    def report_failure(self, rank: int, cause: str, detail: str = "", *,
+                       when: float | None = None, detect_ms: float | None = None,
+                       reporter: str | None = None) -> FailureRecord:
+        """Record that `rank` failed; returns the record in the store (the first report wins)."""
+        if cause not in CAUSES:
+            raise ValueError(f"unknown failure cause {cause!r} (one of {', '.join(CAUSES)})")
+        if reporter is None:
+            reporter = (f"rank {self.rank} pid {os.getpid()}" if self.rank is not None
+                        else f"pid {os.getpid()} on {socket.gethostname()}")
+        rec = FailureRecord(int(rank), cause, detail, time.time() if when is None else when,
+                            detect_ms, reporter)
+        stored = self.store.compare_set(key_failure(rank), "", rec.to_json())
+        self.store.append(KEY_FAILURES, f"{int(rank)},")
+        return FailureRecord.from_json(stored)
+
+    def failures(self) -> dict[int, FailureRecord]:
+        """Every reported failure of the job, by rank."""
+        ranks = _read_log(self.store, KEY_FAILURES)
+        new = [r for r in ranks if r not in self._failure_cache]
+        if new:
+            for r, v in zip(new, self.store.multi_get([key_failure(r) for r in new])):
+                self._failure_cache[r] = FailureRecord.from_json(v)
+        return dict(self._failure_cache)
+
+    def record_exit(self, rank: int, exitcode: int = 0) -> None:
+        """Record a deliberate (clean) exit of `rank`: not a failure, but it will not come back."""
+        self.store.set(key_exit(rank), json.dumps({"rank": rank, "exitcode": exitcode,
+                                                   "time": time.time()}))
+        self.store.append(KEY_EXITS, f"{int(rank)},")
+
+    def exited(self) -> list[int]:
+        """Ranks that exited cleanly (exit code 0)."""
+        return sorted(_read_log(self.store, KEY_EXITS))
+
+    # --- agreement
+
+    def agree(self, generation: int, candidates: list[int], timeout_s: float = 60.0,
+              poll_s: float = 0.005) -> Agreement:
+        """Agree with the other survivors among `candidates` on the alive set of `generation`.
+
+        Each rank writes its arrival under gen/{generation}; a candidate is expected unless it is
+        reported failed, exited cleanly or is heartbeat-stale (re-checked while waiting). Once every
+        expected rank has arrived, the lowest of them (the leader) writes the final list with
+        compare_set, so exactly one list is ever published and every survivor reads that one. A
+        leader that dies before publishing is dropped like any other rank and the next one
+        publishes. Raises AgreementTimeout naming the ranks that never arrived, and
+        ExcludedFromAgreement when this rank itself is reported failed or is not in the published
+        list. A rank of the list that fails afterwards is handled by the next agree() call
+        (generation + 1, candidates = this agreement's alive list). Destroy the broken process
+        group before calling this (see the module docstring).
+        """
+        me = self._require_rank("agree")
+        cand = sorted({int(r) for r in candidates})
+        if me not in cand:
+            raise ValueError(f"rank {me} is not among the candidates {cand}")
+        ns = gen_prefix(generation)
+        final_key, arrivals_key = f"{ns}/final", f"{ns}/arrivals"
+        self.store.set(f"{ns}/arrived/{me}", f"{time.time():.6f}")
+        self.store.append(arrivals_key, f"{me},")
+        start = time.monotonic()
+        deadline = start + timeout_s
+        sleep = poll_s
+        arrived: set[int] = {me}
+        dropped: dict[int, str] = {}
+        while True:
+            if self.store.check([final_key]):
+                ag = Agreement.from_json(self.store.get(final_key))
+                if me not in ag.alive:
+                    raise ExcludedFromAgreement(
+                        f"rank {me} is not in the alive list {ag.alive} agreed for generation "
+                        f"{generation} (declared {ag.causes.get(me, 'failed')} by leader "
+                        f"{ag.leader})")
+                return ag
+            arrived = set(_parse_log(self.store.get(arrivals_key))) & set(cand)
+            fails = self.failures()
+            exits = set(self.exited())
+            dropped = {r: fails[r].cause for r in cand if r in fails}
+            dropped.update({r: "exited" for r in cand if r in exits and r not in dropped})
+            rest = [r for r in cand if r not in dropped and r != me]
+            dropped.update({r: "stale" for r in self.stale_ranks(rest)})
+            if me in dropped:
+                raise ExcludedFromAgreement(
+                    f"rank {me} has been reported {dropped[me]} and cannot join generation "
+                    f"{generation}")
+            expected = [r for r in cand if r not in dropped]
+            missing = [r for r in expected if r not in arrived]
+            if not missing and expected[0] == me:
+                ag = Agreement(generation, expected, sorted(dropped), me,
+                               {r: dropped[r] for r in sorted(dropped)})
+                won = self.store.compare_set(final_key, "", ag.to_json())
+                if Agreement.from_json(won).leader == me:
+                    self.store.set(KEY_GENERATION, str(generation))
+                continue
+            if time.monotonic() > deadline:
+                raise AgreementTimeout(generation, timeout_s, missing, sorted(arrived),
+                                       sorted(dropped))
+            time.sleep(sleep)
+            sleep = min(sleep * 1.5, 0.05)
+
+    def agreement(self, generation: int) -> Agreement | None:
+        """The published agreement of `generation`, if any (no waiting)."""
+        key = f"{gen_prefix(generation)}/final"
+        return Agreement.from_json(self.store.get(key)) if self.store.check([key]) else None
+
+    # --- publish / read (e.g. the leader's plan)
+
+    def publish(self, generation: int, key: str, data: bytes | str) -> None:
+        self.store.set(f"{gen_prefix(generation)}/pub/{key}", data)
+
+    def read(self, generation: int, key: str, timeout_s: float = 60.0,
+             publisher: int | None = None, poll_s: float = 0.005) -> bytes:
+        """What was published under `key` for `generation`; waits up to timeout_s. With
+        `publisher`, gives up early when that rank is reported failed or goes stale."""
+        full = f"{gen_prefix(generation)}/pub/{key}"
+        deadline = time.monotonic() + timeout_s
+        sleep = poll_s
+        while not self.store.check([full]):
+            if publisher is not None and (publisher in self.failures()
+                                          or self.stale_ranks([publisher])):
+                if self.store.check([full]):
+                    break
+                raise PublishTimeout(f"publisher rank {publisher} failed before publishing "
+                                     f"{key!r} for generation {generation}")
+            if time.monotonic() > deadline:
+                raise PublishTimeout(f"nothing published under {key!r} for generation "
+                                     f"{generation} within {timeout_s:g} s"
+                                     + (f" (publisher: rank {publisher})"
+                                        if publisher is not None else ""))
+            time.sleep(sleep)
+            sleep = min(sleep * 1.5, 0.05)
+        return self.store.get(full)
+
+    def _require_rank(self, what: str) -> int:
+        if self.rank is None:
+            raise MembershipError(f"{what} needs a worker rank (this Membership is an observer)")
+        return self.rank
+
+
+# ----------------------------------------------------------------------------------- job records
+
+def worker_info(store: dist.Store, rank: int) -> dict | None:
+    """The launcher's record of `rank` (pid, host, node, ...), or None."""
+    k = key_worker(rank)
+    return json.loads(store.get(k)) if store.check([k]) else None
+
+
+def node_info(store: dist.Store, node: int) -> dict | None:
+    k = key_node(node)
+    return json.loads(store.get(k)) if store.check([k]) else None
+
+
+def job_info(store: dist.Store) -> dict | None:
+    k = key_job()
+    return json.loads(store.get(k)) if store.check([k]) else None

@@ -1,0 +1,281 @@
+"""Membership over the store: worker processes (each a TCPStore client of a store hosted here)
+agree on the survivors after a SIGKILL (reported) and a SIGSTOP (seen as a stale heartbeat); a
+second failure during agreement (the leader's) still gives one list that every survivor reads;
+a rank that never arrives makes agree() time out naming it."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from chameleon_ext import membership as mb
+
+pytestmark = pytest.mark.slow
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+def _member(rank: int, world: int, port: int, hb_timeout: float) -> None:
+    """Agree on each generation the controller opens with test/go/{g}; results go to the store."""
+    import torch
+    torch.set_num_threads(1)
+    store = mb.connect_store(f"127.0.0.1:{port}", timeout_s=60)
+    m = mb.Membership(store, rank, world, hb_timeout)
+    m.start_heartbeat(0.05)
+    store.set(f"test/ready/{rank}", str(os.getpid()))
+    cand, g = list(range(world)), 1
+    while True:
+        store.wait([f"test/go/{g}"])      # blocks this thread; heartbeats go on (own connection)
+        go = json.loads(store.get(f"test/go/{g}"))
+        if go.get("stop"):
+            m.stop()
+            return
+        if rank in go.get("hold", []):
+            store.wait([f"test/release/{g}/{rank}"])
+        t0 = time.perf_counter()
+        try:
+            ag = m.agree(g, cand, timeout_s=go.get("timeout", 20))
+            out = {"agreement": json.loads(ag.to_json()), "ms": (time.perf_counter() - t0) * 1e3}
+            cand = ag.alive
+        except mb.MembershipError as e:
+            out = {"error": type(e).__name__, "msg": str(e)}
+        store.set(f"test/result/{g}/{rank}", json.dumps(out))
+        g += 1
+
+
+class Job:
+    """A store hosted here and `world` member processes; every pid is killed at the end."""
+
+    def __init__(self, world: int, hb_timeout: float):
+        self.world = world
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60),
+                                   wait_for_workers=False)
+        self.m = mb.Membership(self.store, None, world, hb_timeout)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_member, args=(r, world, self.store.port, hb_timeout),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.wait_keys([f"test/ready/{r}" for r in range(world)], 60)
+
+    def wait_keys(self, keys, timeout):
+        deadline = time.monotonic() + timeout
+        while not self.store.check(keys):
+            assert time.monotonic() < deadline, f"timed out waiting for {keys}"
+            assert all(p.is_alive() or p.exitcode == -9 for p in self.procs), \
+                [p.exitcode for p in self.procs]
+            time.sleep(0.01)
+
+    def go(self, g, **kw):
+        self.store.set(f"test/go/{g}", json.dumps(kw))
+
+    def results(self, g, ranks, timeout=30):
+        self.wait_keys([f"test/result/{g}/{r}" for r in ranks], timeout)
+        return {r: json.loads(self.store.get(f"test/result/{g}/{r}")) for r in ranks}
+
+    def kill(self, rank, sig=signal.SIGKILL):
+        os.kill(self.procs[rank].pid, sig)
+
+    def close(self):
+        for p in self.procs:
+            if p.pid is not None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+        for p in self.procs:
+            p.join(10)
+        assert all(not p.is_alive() for p in self.procs)
+
+
+@pytest.fixture
+def job_factory():
+    jobs = []
+
+    def make(world, hb_timeout):
+        jobs.append(Job(world, hb_timeout))
+        return jobs[-1]
+    yield make
+    for j in jobs:
+        j.close()
+
+
+def _same_agreement(results):
+    ags = [r["agreement"] for r in results.values()]
+    assert all("agreement" in r for r in results.values()), results
+    assert all(a == ags[0] for a in ags), ags
+    return ags[0]
+
+
+@pytest.mark.timeout(60)
+def test_agree_after_sigkill_report_and_sigstop_staleness(job_factory):
+    job = job_factory(4, hb_timeout=1.0)
+    # SIGKILL rank 3; its agent (here: the test) reports it.
+    job.kill(3)
+    job.m.report_failure(3, "signal", "SIGKILL", reporter="test")
+    job.go(1)
+    res = job.results(1, [0, 1, 2])
+    ag = _same_agreement(res)
+    assert ag["generation"] == 1 and ag["alive"] == [0, 1, 2] and ag["failed"] == [3]
+    assert ag["leader"] == 0 and ag["causes"] == {"3": "signal"}
+    assert job.store.get(mb.KEY_GENERATION) == b"1"
+    print(f"agree among 3 survivors: {max(r['ms'] for r in res.values()):.1f} ms")
+    # SIGSTOP rank 2: nobody reports it; its heartbeat goes stale after 1 s.
+    job.kill(2, signal.SIGSTOP)
+    t0 = time.monotonic()
+    job.go(2)
+    res = job.results(2, [0, 1])
+    waited = time.monotonic() - t0
+    ag = _same_agreement(res)
+    assert ag["alive"] == [0, 1] and ag["failed"] == [2] and ag["causes"] == {"2": "stale"}
+    assert 0.5 < waited < 5, waited
+    assert job.m.stale_ranks([0, 1, 2]) == [2]
+    job.go(3, stop=True)
+
+
+@pytest.mark.timeout(60)
+def test_leader_failing_during_agreement_still_converges(job_factory):
+    job = job_factory(4, hb_timeout=30.0)
+    job.kill(3)
+    job.m.report_failure(3, "signal", "SIGKILL", reporter="test")
+    job.go(1, hold=[2])                # rank 2 arrives late: no list can be published yet
+    arrivals = f"{mb.gen_prefix(1)}/arrivals"
+    deadline = time.monotonic() + 30
+    while not (job.store.check([arrivals])
+               and {0, 1} <= set(mb._parse_log(job.store.get(arrivals)))):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not job.store.check([f"{mb.gen_prefix(1)}/final"])
+    job.kill(0)                        # the would-be leader dies during agreement
+    job.m.report_failure(0, "signal", "SIGKILL", reporter="test")
+    job.store.set("test/release/1/2", "1")
+    ag = _same_agreement(job.results(1, [1, 2]))
+    assert ag["alive"] == [1, 2] and ag["failed"] == [0, 3] and ag["leader"] == 1
+    # The next generation works on the new list.
+    job.go(2)
+    ag2 = _same_agreement(job.results(2, [1, 2]))
+    assert ag2["generation"] == 2 and ag2["alive"] == [1, 2] and ag2["failed"] == []
+    job.go(3, stop=True)
+
+
+# ----------------------------------------------------------------------------- in-process checks
+
+@pytest.fixture
+def store():
+    s = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    yield s
+
+
+def _client(store):
+    return mb.connect_store(f"127.0.0.1:{store.port}", timeout_s=30)
+
+
+def _run_threads(fns):
+    out, threads = {}, []
+    for k, fn in fns.items():
+        def body(k=k, fn=fn):
+            try:
+                out[k] = fn()
+            except Exception as e:
+                out[k] = e
+        threads.append(threading.Thread(target=body, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_timeout_names_the_missing_ranks(store):
+    ms = {r: mb.Membership(_client(store), r, 3, heartbeat_timeout=30) for r in range(3)}
+    ms[2].start_heartbeat(0.05)        # alive but never arrives
+    try:
+        out = _run_threads({r: (lambda r=r: ms[r].agree(1, [0, 1, 2], timeout_s=0.5))
+                            for r in (0, 1)})
+    finally:
+        ms[2].stop()
+    for r in (0, 1):
+        e = out[r]
+        assert isinstance(e, mb.AgreementTimeout), e
+        assert e.missing == [2] and "ranks [2] never arrived" in str(e)
+        assert "generation 1" in str(e) and "0.5 s" in str(e)
+
+
+@pytest.mark.timeout(30)
+def test_failure_records_publish_read_and_exclusion(store):
+    obs = mb.Membership(_client(store), None, 4, heartbeat_timeout=30)
+    first = obs.report_failure(2, "exit", "exit code 1", detect_ms=3.5)
+    again = obs.report_failure(2, "comm", "later report")
+    assert again.cause == "exit" and again.detail == "exit code 1"   # the first report wins
+    assert first.detect_ms == 3.5
+    with pytest.raises(ValueError, match="unknown failure cause"):
+        obs.report_failure(1, "gremlins")
+    fresh = mb.Membership(_client(store), None, 4, heartbeat_timeout=30)
+    assert list(fresh.failures()) == [2] and fresh.failures()[2].cause == "exit"
+    # a reported rank calling agree() is told it is out
+    m2 = mb.Membership(_client(store), 2, 4, heartbeat_timeout=30)
+    with pytest.raises(mb.ExcludedFromAgreement):
+        m2.agree(1, [0, 1, 2, 3], timeout_s=1)
+    # clean exits are not failures, but are not expected at agreement either
+    obs.record_exit(3)
+    assert obs.exited() == [3] and 3 not in obs.failures()
+    ms = {r: mb.Membership(_client(store), r, 4, heartbeat_timeout=30) for r in (0, 1)}
+    out = _run_threads({r: (lambda r=r: ms[r].agree(1, [0, 1, 2, 3], timeout_s=5))
+                        for r in (0, 1)})
+    assert out[0] == out[1] and out[0].alive == [0, 1]
+    assert out[0].causes == {2: "exit", 3: "exited"} and out[0].new_rank(1) == 1
+    # the leader publishes a plan; the others read it
+    ms[0].publish(1, "plan", json.dumps({"pipelines": 1}))
+    assert json.loads(ms[1].read(1, "plan", timeout_s=1)) == {"pipelines": 1}
+    with pytest.raises(mb.PublishTimeout, match="within 0.2 s"):
+        ms[1].read(1, "nothing", timeout_s=0.2)
+    obs.report_failure(0, "signal", "SIGKILL")
+    with pytest.raises(mb.PublishTimeout, match="publisher rank 0 failed"):
+        ms[1].read(1, "other", timeout_s=5, publisher=0)
+
+
+@pytest.mark.timeout(30)
+def test_heartbeat_staleness_and_node_agents(store):
+    c = _client(store)
+    obs = mb.Membership(c, None, 4, heartbeat_timeout=1.0)
+    now = time.time()
+    c.set(mb.key_hb(0), f"{now:.6f}")
+    c.set(mb.key_hb(1), f"{now - 5:.6f}")
+    c.set(mb.key_hb(2), f"off:{now - 5:.6f}")        # retired on purpose: not stale
+    assert obs.stale_ranks([0, 1, 2, 3]) == [1]        # 3: no heartbeat ever: not stale
+    # rank 3 runs on node 1 whose agent went silent: stale through its node
+    c.set(mb.key_worker(3), json.dumps({"rank": 3, "node": 1, "pid": 1, "host": "h"}))
+    c.set(mb.key_agent_hb(1), f"{now - 5:.6f}")
+    assert obs.stale_ranks([0, 3]) == [3]
+    c.set(mb.key_agent_done(1), "1")                   # ...unless that agent finished
+    assert obs.stale_ranks([0, 3]) == []
+    m = mb.Membership(_client(store), 0, 4, heartbeat_timeout=1.0)
+    m.start_heartbeat(0.05)
+    try:
+        time.sleep(0.2)
+        assert m.heartbeat_ages([0])[0] < 0.5
+    finally:
+        m.stop()
+    assert m.heartbeat_ages([0]) == {}                  # retired
+
+
+def test_store_spec_errors(monkeypatch):
+    assert mb.parse_store_spec("127.0.0.1:29500") == ("127.0.0.1", 29500)
+    assert mb.parse_store_spec("[::1]:5") == ("::1", 5)
+    for bad, words in [("nohost", "not host:port"), ("h:x", "not an integer"),
+                       ("h:70000", "out of range")]:
+        with pytest.raises(ValueError, match=words):
+            mb.parse_store_spec(bad)
+    monkeypatch.delenv("CHAMELEON_STORE", raising=False)
+    with pytest.raises(mb.MembershipError, match="CHAMELEON_STORE is not set"):
+        mb.connect_store()

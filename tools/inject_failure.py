@@ -1,0 +1,223 @@
+"""Inject failures into a running chameleon-launch job from outside.
+
+    python tools/inject_failure.py --store HOST:PORT --kill RANK        SIGKILL one worker
+    python tools/inject_failure.py --store HOST:PORT --stop RANK        SIGSTOP one (a hang)
+    python tools/inject_failure.py --store HOST:PORT --node NODE_RANK   SIGKILL all of a node's
+                                                                        workers [--with-agent]
+    python tools/inject_failure.py --store HOST:PORT --trace FILE       timed kills
+
+Workers are found through the launcher's records in the store (``chameleon/worker/{rank}``:
+pid, process group, host; ``chameleon/node/{node}``: its ranks and agent pid). Signals go to the
+worker's process group (each worker leads its own), so its children go with it. Only workers on
+this host can be signalled: run the tool on the worker's node.
+
+A trace file has one event per line, ``SECONDS RANK [RANK ...]``: at SECONDS after the tool
+starts, SIGKILL those ranks. Blank lines and ``#`` comments are ignored.
+
+--store defaults to $CHAMELEON_STORE. Bad input (a bad address, an unknown rank or node, a bad
+trace line, a rank on another host) prints one line on stderr and exits 2; a worker that is no
+longer running exits 1 (for --trace it is reported and the trace goes on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+try:
+    from chameleon_ext import membership as mb
+except ImportError:          # run as a script from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from chameleon_ext import membership as mb
+
+PROG = "inject_failure.py"
+
+
+class InputError(Exception):
+    """Bad input: one line on stderr, exit 2."""
+
+
+def log(msg: str) -> None:
+    print(f"[inject_failure] {msg}", flush=True)
+
+
+def parse_trace(path: str) -> list[tuple[float, list[int]]]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InputError(f"cannot read trace {path}: {e.strerror}") from None
+    events = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        try:
+            t = float(parts[0])
+        except ValueError:
+            raise InputError(f"{path}:{n}: {parts[0]!r} is not a number of seconds") from None
+        if not t >= 0 or t == float("inf"):
+            raise InputError(f"{path}:{n}: time {parts[0]} must be >= 0")
+        if len(parts) < 2:
+            raise InputError(f"{path}:{n}: no rank after the time")
+        try:
+            ranks = [int(p) for p in parts[1:]]
+        except ValueError:
+            raise InputError(f"{path}:{n}: ranks must be integers: {' '.join(parts[1:])!r}") \
+                from None
+        if any(r < 0 for r in ranks):
+            raise InputError(f"{path}:{n}: ranks must be >= 0")
+        events.append((t, ranks))
+    if not events:
+        raise InputError(f"{path}: no events")
+    return sorted(events, key=lambda e: e[0])
+
+
+def _is_local(host: str) -> bool:
+    return host in (socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:   # a zombie (dead, not yet reaped by its agent) is not running
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def worker(store, rank: int, world: int | None) -> dict:
+    info = mb.worker_info(store, rank)
+    if info is None:
+        size = f" (world size {world})" if world else ""
+        raise InputError(f"rank {rank} is not in the store{size}")
+    if not _is_local(info["host"]):
+        raise InputError(f"rank {rank} runs on host {info['host']}, not on "
+                         f"{socket.gethostname()}: run {PROG} there")
+    return info
+
+
+def signal_worker(info: dict, sig: signal.Signals) -> bool:
+    """Signal a worker's process group; False when it is no longer running."""
+    pid, pgid = int(info["pid"]), int(info.get("pgid", info["pid"]))
+    if not _alive(pid):
+        print(f"{PROG}: rank {info['rank']} (pid {pid}) is not running", file=sys.stderr,
+              flush=True)
+        return False
+    try:
+        if pgid == pid:
+            os.killpg(pgid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        print(f"{PROG}: rank {info['rank']} (pid {pid}) is not running", file=sys.stderr,
+              flush=True)
+        return False
+    log(f"sent {sig.name} to rank {info['rank']} (pid {pid}) on {info['host']}")
+    return True
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):          # one line, exit 2
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog=PROG, allow_abbrev=False,
+                                description="kill or stop workers of a chameleon-launch job")
+    p.add_argument("--store", default=os.environ.get(mb.STORE_ENV),
+                   help="the job's store, host:port (default: $CHAMELEON_STORE)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to reach the store")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--kill", type=int, metavar="RANK", help="SIGKILL this worker")
+    g.add_argument("--stop", type=int, metavar="RANK", help="SIGSTOP this worker (a hang)")
+    g.add_argument("--node", type=int, metavar="NODE_RANK", help="SIGKILL all of a node's workers")
+    g.add_argument("--trace", metavar="FILE", help="lines 'SECONDS RANK...' of timed kills")
+    p.add_argument("--with-agent", action="store_true",
+                   help="with --node: SIGKILL that node's agent too (a whole-node loss)")
+    try:
+        a = p.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return run(a)
+    except InputError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except mb.MembershipError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def run(a: argparse.Namespace) -> int:
+    if not a.store:
+        raise InputError(f"no store: pass --store HOST:PORT or set ${mb.STORE_ENV}")
+    try:
+        host, port = mb.parse_store_spec(a.store)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    try:   # a plain TCP probe first: fails in one line, without c10d's retry noise
+        socket.create_connection((host, port), timeout=a.timeout).close()
+    except OSError as e:
+        raise InputError(f"no store at {a.store}: {e.strerror or e}") from None
+    for name in ("kill", "stop", "node"):
+        v = getattr(a, name)
+        if v is not None and v < 0:
+            raise InputError(f"--{name} {v}: must be >= 0")
+    if a.with_agent and a.node is None:
+        raise InputError("--with-agent goes with --node")
+    events = parse_trace(a.trace) if a.trace else None
+    t_start = time.monotonic()
+    store = mb.connect_store(a.store, timeout_s=a.timeout)
+    job = mb.job_info(store)
+    world = int(job["world_size"]) if job else None
+
+    if a.kill is not None or a.stop is not None:
+        rank = a.kill if a.kill is not None else a.stop
+        info = worker(store, rank, world)
+        return 0 if signal_worker(info, signal.SIGKILL if a.kill is not None
+                                  else signal.SIGSTOP) else 1
+
+    if a.node is not None:
+        node = mb.node_info(store, a.node)
+        if node is None:
+            nn = f" (nodes: {job['nnodes']})" if job else ""
+            raise InputError(f"node {a.node} is not in the store{nn}")
+        infos = [worker(store, r, world) for r in node["ranks"]]
+        ok = [signal_worker(i, signal.SIGKILL) for i in infos]
+        if a.with_agent:
+            try:
+                os.kill(int(node["agent_pid"]), signal.SIGKILL)
+                log(f"sent SIGKILL to the agent of node {a.node} (pid {node['agent_pid']})")
+            except ProcessLookupError:
+                print(f"{PROG}: the agent of node {a.node} is not running", file=sys.stderr)
+        return 0 if any(ok) else 1
+
+    # --trace: check every rank first, then play the events.
+    for _, ranks in events:
+        for r in ranks:
+            worker(store, r, world)
+    status = 0
+    for t, ranks in events:
+        delay = t - (time.monotonic() - t_start)
+        if delay > 0:
+            time.sleep(delay)
+        for r in ranks:
+            if not signal_worker(worker(store, r, world), signal.SIGKILL):
+                status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
