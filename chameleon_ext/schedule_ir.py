@@ -74,7 +74,9 @@ class Schedule:
 
 def one_f_one_b(plan: ExecutionPlan) -> Schedule:
     """Megatron's non-interleaved 1F1B for every pipeline; with one stage it is plain F, B per
-    micro-batch (forward_backward_no_pipelining)."""
+    micro-batch (forward_backward_no_pipelining). Rerouted plans need the list scheduler."""
+    if plan.rerouted:
+        raise ValueError("1F1B needs every stage to have its own ranks; this plan reroutes")
     return Schedule({rank: _rank_1f1b(plan, rank) for rank in plan.ranks})
 
 
@@ -114,16 +116,24 @@ def _rank_1f1b(plan: ExecutionPlan, rank: int) -> list[Op]:
 
 
 def forward_only(plan: ExecutionPlan) -> Schedule:
-    """Evaluation: every owned micro-batch forward through its pipeline, no backward."""
+    """Evaluation: every micro-batch forward along its path, no backward. Each rank takes its
+    micro-batches in (position in the owning pipeline, id) order, the same key everywhere, so
+    with non-blocking sends no rank waits on one that waits on it."""
+    work: dict[int, list[tuple[int, int, int, int]]] = {r: [] for r in plan.ranks}
+    for p in plan.pipelines:
+        for order, mb in enumerate(p.micro_batches):
+            for k, group in enumerate(plan.path(mb)):
+                for t, rank in enumerate(group):
+                    work[rank].append((order, mb, k, t))
     out: dict[int, list[Op]] = {}
-    for rank in plan.ranks:
-        prev, nxt = plan.prev_rank(rank), plan.next_rank(rank)
+    for rank, items in work.items():
         ops: list[Op] = []
-        for mb in plan.pipeline_of(rank).micro_batches:
-            if prev is not None:
-                ops.append(Op(OpKind.RECV_FWD, mb, prev))
+        for _, mb, k, t in sorted(items):
+            path = plan.path(mb)
+            if k > 0:
+                ops.append(Op(OpKind.RECV_FWD, mb, path[k - 1][t]))
             ops.append(Op(OpKind.FWD, mb))
-            if nxt is not None:
-                ops.append(Op(OpKind.SEND_FWD, mb, nxt))
+            if k + 1 < len(path):
+                ops.append(Op(OpKind.SEND_FWD, mb, path[k + 1][t]))
         out[rank] = ops
     return Schedule(out)

@@ -50,5 +50,6 @@ class MegatronCoreExecutor(Executor):
             num_microbatches=len(mbs), seq_length=seq, micro_batch_size=mbsize,
             forward_only=False)
         self._reduce_grads(None, iteration)
+        loss = self._global_loss()  # same order as the IR executor: loss before the step
         ok, norm = self._optimizer_step()
-        return StepResult(loss=self._global_loss(), grad_norm=norm, update_successful=bool(ok))
+        return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok))

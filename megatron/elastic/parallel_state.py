@@ -40,29 +40,53 @@ class RankGroups:
     dp_ranks: list[int]
     embd_ranks: list[int]
     pos_embd_ranks: list[int]
+    # One rank of each replica group counts its gradients in the global norm (and contributes
+    # the tied embedding gradient), so every layer is counted exactly once in any plan.
+    representative: bool
+
+
+def _own_stages(p) -> list:
+    return [st for st in p.stages if st.ranks]
+
+
+def _layout(plan: ExecutionPlan, rank: int) -> dict[str, list[int]]:
+    """The rank lists of `rank`'s groups.
+
+    Gradient norms are summed over the whole world with one representative per replica group
+    (model-parallel group = world), and the tied-embedding group joins every holder of the first
+    or last layers of a tensor-parallel shard: both stay right when a pipeline has lost a stage
+    and its micro-batches run elsewhere."""
+    pos = plan.position(rank)
+    pipe = plan.pipelines[pos.pipeline]
+    stage = pipe.stages[pos.stage]
+    t = pos.tp_rank
+    ends = {0, plan.num_layers}
+    embd = sorted(st.ranks[t] for p in plan.pipelines for st in _own_stages(p)
+                  if st.layer_start == 0 or st.layer_end == plan.num_layers)
+    return {
+        "tp": list(stage.ranks),
+        "pp": [st.ranks[t] for st in _own_stages(pipe)],
+        "mp": plan.ranks,
+        "dp": plan.replicas(rank),
+        "tp_dp": sorted(r for p in plan.pipelines for st in _own_stages(p)
+                        if (st.layer_start, st.layer_end) == (stage.layer_start, stage.layer_end)
+                        for r in st.ranks),
+        "embd": embd if (stage.layer_start in ends or stage.layer_end in ends) else [],
+        "single": [rank],
+    }
 
 
 def _group_rank_lists(plan: ExecutionPlan) -> list[tuple[int, ...]]:
-    """Every distinct group of the plan, in one deterministic order."""
+    """Every distinct group of the plan, in one deterministic order (the same on every rank)."""
+    seen: set[tuple[int, ...]] = set()
     out: list[tuple[int, ...]] = []
     for r in plan.ranks:
-        out.append((r,))
-    for p in plan.pipelines:
-        out.append(tuple(sorted(r for st in p.stages for r in st.ranks)))
-        for st in p.stages:
-            out.append(tuple(st.ranks))
-        for t in range(plan.tensor_parallel):
-            out.append(tuple(st.ranks[t] for st in p.stages))
-            out.append(tuple(sorted({p.stages[0].ranks[t], p.stages[-1].ranks[t]})))
-    ranges = sorted({(st.layer_start, st.layer_end) for p in plan.pipelines for st in p.stages})
-    for lr in ranges:
-        holders = [st for p in plan.pipelines for st in p.stages
-                   if (st.layer_start, st.layer_end) == lr]
-        out.append(tuple(sorted(r for st in holders for r in st.ranks)))
-        for t in range(plan.tensor_parallel):
-            out.append(tuple(sorted(st.ranks[t] for st in holders)))
-    seen: set[tuple[int, ...]] = set()
-    return [g for g in out if not (g in seen or seen.add(g))]
+        for ranks in _layout(plan, r).values():
+            g = tuple(ranks)
+            if g and g not in seen:
+                seen.add(g)
+                out.append(g)
+    return out
 
 
 def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None) -> RankGroups:
@@ -70,33 +94,24 @@ def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = Non
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for ranks in _group_rank_lists(plan):
         groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
-    gloo = dist.get_backend() == "gloo"
-    dp_ranks = plan.replicas(rank)
-    dp_gloo = groups[tuple(dp_ranks)]
-    if not gloo:
+    mine = _layout(plan, rank)
+    dp_gloo = groups[tuple(mine["dp"])]
+    if dist.get_backend() != "gloo":
         for lr in sorted({tuple(plan.replicas(r)) for r in plan.ranks}):
             g = dist.new_group(list(lr), timeout=timeout, backend="gloo")
-            if lr == tuple(dp_ranks):
+            if lr == tuple(mine["dp"]):
                 dp_gloo = g
-    pos = plan.position(rank)
-    pipe = plan.pipelines[pos.pipeline]
-    stage = pipe.stages[pos.stage]
-    pp_ranks = [st.ranks[pos.tp_rank] for st in pipe.stages]
-    mp_ranks = sorted(r for st in pipe.stages for r in st.ranks)
-    embd_ranks = sorted({pp_ranks[0], pp_ranks[-1]})
-    tp_dp = sorted(r for p in plan.pipelines for st in p.stages
-                   if (st.layer_start, st.layer_end) == (stage.layer_start, stage.layer_end)
-                   for r in st.ranks)
-    in_embd = rank in embd_ranks
-    in_pos = rank == pp_ranks[0]
+    first = plan.stage_of(rank).layer_start == 0
+    embd = mine["embd"]
     return RankGroups(
-        tp=groups[tuple(stage.ranks)], pp=groups[tuple(pp_ranks)], mp=groups[tuple(mp_ranks)],
-        dp=groups[tuple(dp_ranks)], dp_gloo=dp_gloo, tp_dp=groups[tuple(tp_dp)],
-        embd=groups[tuple(embd_ranks)] if in_embd else None,
-        pos_embd=groups[(pp_ranks[0],)] if in_pos else None,
+        tp=groups[tuple(mine["tp"])], pp=groups[tuple(mine["pp"])], mp=groups[tuple(mine["mp"])],
+        dp=groups[tuple(mine["dp"])], dp_gloo=dp_gloo, tp_dp=groups[tuple(mine["tp_dp"])],
+        embd=groups[tuple(embd)] if len(embd) > 1 else None,
+        pos_embd=groups[(rank,)] if first else None,
         single=groups[(rank,)],
-        tp_ranks=list(stage.ranks), pp_ranks=pp_ranks, mp_ranks=mp_ranks, dp_ranks=dp_ranks,
-        embd_ranks=embd_ranks, pos_embd_ranks=[pp_ranks[0]],
+        tp_ranks=mine["tp"], pp_ranks=mine["pp"], mp_ranks=mine["mp"], dp_ranks=mine["dp"],
+        embd_ranks=embd, pos_embd_ranks=[rank] if first else [],
+        representative=rank == mine["dp"][0],
     )
 
 
@@ -141,7 +156,7 @@ def install(plan: ExecutionPlan, rank: int, g: RankGroups) -> None:
         "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": plan.tensor_parallel,
         "_MPU_TENSOR_MODEL_PARALLEL_RANK": pos.tp_rank,
         "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": len(g.pp_ranks),
-        "_MPU_PIPELINE_MODEL_PARALLEL_RANK": pos.stage,
+        "_MPU_PIPELINE_MODEL_PARALLEL_RANK": g.pp_ranks.index(rank),
         "_MPU_DATA_PARALLEL_WORLD_SIZE": len(g.dp_ranks),
         "_MPU_DATA_PARALLEL_RANK": g.dp_ranks.index(rank),
     }

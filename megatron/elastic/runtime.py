@@ -16,9 +16,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
 from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.list_scheduler import list_schedule
 from chameleon_ext.schedule_ir import Schedule, forward_only, one_f_one_b
 from chameleon_ext.simulator import UniformCosts, simulate
-from megatron.elastic import parallel_state, stage_model
+from megatron.elastic import parallel_state, stage_model, state_transfer
 from megatron.elastic.schedules import Executor, StageRuntime
 
 # model_provider(config, pre_process, post_process) -> megatron-core GPTModel
@@ -50,8 +51,11 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
           model_provider: ModelProvider, optimizer_config: OptimizerConfig,
           sched: SchedulerSettings, seed: int, tied_embeddings: bool,
           seq_length: int, get_batch: Callable[[int, int], dict], forward_step, loss_func,
-          timeout: timedelta | None = None, timers=None, executor: str = "ir") -> Built:
-    schedule = one_f_one_b(plan)
+          timeout: timedelta | None = None, timers=None, executor: str = "ir",
+          previous: StageRuntime | None = None) -> Built:
+    """`previous`: the runtime of the plan before, whose parameters, optimizer state and LR
+    schedule this rank carries over (after a failure)."""
+    schedule = list_schedule(plan, UniformCosts()) if plan.rerouted else one_f_one_b(plan)
     simulate(plan, schedule, UniformCosts())  # every schedule is checked before it runs
     groups = parallel_state.initialize(plan, rank, timeout)
     stage = plan.stage_of(rank)
@@ -64,6 +68,9 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         module, seed=seed, layer_offset=stage.layer_start, pre_process=first,
         total_layers=plan.num_layers, init_std=config.init_method_std, tp_rank=pos.tp_rank,
         tp_size=plan.tensor_parallel, tied_output=tied_embeddings)
+    if not groups.representative:
+        for p in module.parameters():
+            p.shared = True  # a replica's twin counts these in the global grad norm
     tied = stage_model.mark_tied_output(module)
     if tied is None and first and not last and tied_embeddings:
         tied = module.embedding.word_embeddings.weight
@@ -90,7 +97,10 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         activation_shape=(seq_length, plan.micro_batch_size, config.hidden_size),
         activation_dtype=config.params_dtype,
         embedding_group=groups.embd if tied is not None else None, tied_weight=tied,
+        representative=groups.representative,
         before_forward=seeder.at if seeder else None, timers=timers)
+    if previous is not None:
+        state_transfer.copy_local_state(previous, rt, tied_embeddings)
     if executor == "megatron-core":
         from megatron.elastic.mcore_executor import MegatronCoreExecutor
         return Built(rt, MegatronCoreExecutor(rt), schedule, forward_only(plan), groups)

@@ -57,7 +57,9 @@ class StageRuntime:
     activation_dtype: torch.dtype
     embedding_group: dist.ProcessGroup | None = None
     tied_weight: torch.nn.Parameter | None = None
+    representative: bool = True   # this rank's replica group counts its gradients through it
     before_forward: Callable[[int, int], None] | None = None  # (iteration, mb): dropout seeding
+    before_op: Callable[[Op, int], None] | None = None  # (op, iteration): failure injection
     timers: object | None = None
     first: bool = field(init=False)
     last: bool = field(init=False)
@@ -83,21 +85,37 @@ class Executor:
         rt.optimizer.zero_grad()
         self._loss_sum.zero_()
         result: tuple = (True, None)
+        loss = float("nan")
         for op in ops:
+            if rt.before_op:
+                rt.before_op(op, iteration)
             timer = rt.timers(_TIMER_OF[op.kind], log_level=2) if rt.timers else None
             if timer:
                 timer.start()
             if op.kind is OpKind.OPT_STEP:
+                self._check_finished()
+                # The loss sum over the world is the iteration's last collective before any
+                # parameter changes: a rank lost before it fails it on every survivor, so no
+                # survivor steps and the iteration can be run again from its start.
+                loss = self._global_loss()
                 result = self._optimizer_step()
             else:
                 self._DISPATCH[op.kind](self, op, iteration)
             if timer:
                 timer.stop()
-        if self._inputs or self._outputs or self._out_grads or self._in_grads:
-            raise RuntimeError(f"rank {rt.rank}: micro-batches left unfinished after the schedule: "
-                               f"{sorted(set(self._inputs) | set(self._outputs))}")
         ok, norm = result
-        return StepResult(loss=self._global_loss(), grad_norm=norm, update_successful=bool(ok))
+        return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok))
+
+    def _check_finished(self) -> None:
+        if self._inputs or self._outputs or self._out_grads or self._in_grads:
+            raise RuntimeError(f"rank {self.rt.rank}: micro-batches left unfinished by the "
+                               f"schedule: {sorted(set(self._inputs) | set(self._outputs))}")
+
+    def reset(self) -> None:
+        """Drop everything of an interrupted iteration (activations, received tensors, sends)."""
+        for buf in (self._inputs, self._outputs, self._out_grads, self._in_grads):
+            buf.clear()
+        self._pending.clear()
 
     def evaluate(self, ops: list[Op], get_batch: Callable[[int, int], dict],
                  iterations) -> float:
@@ -183,8 +201,13 @@ class Executor:
     def _reduce_grads(self, op: Op, iteration: int) -> None:
         rt = self.rt
         rt.model.finish_grad_sync()
-        if rt.embedding_group is not None and dist.get_world_size(rt.embedding_group) > 1:
-            dist.all_reduce(rt.tied_weight.main_grad, group=rt.embedding_group)
+        if rt.embedding_group is not None:
+            # Replicas hold identical summed gradients now; one per replica group contributes,
+            # so first-layer and last-layer copies each get embedding + output gradient once.
+            grad = rt.tied_weight.main_grad
+            if not rt.representative:
+                grad.zero_()
+            dist.all_reduce(grad, group=rt.embedding_group)
 
     def _optimizer_step(self) -> tuple:
         self._wait_sends()

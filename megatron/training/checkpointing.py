@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from megatron.elastic import stage_model
+from megatron.elastic import state_transfer
 from megatron.elastic.schedules import StageRuntime
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -35,29 +35,11 @@ def _dir(root: str, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def _named_params(rt: StageRuntime, tied_embeddings: bool) -> dict[str, torch.nn.Parameter]:
-    stage = rt.plan.stage_of(rt.rank)
-    pos = rt.plan.position(rt.rank)
-    out = {}
-    for name, p in rt.module.named_parameters():
-        if name == "output_layer.weight" and not tied_embeddings:
-            gname = name
-        else:
-            gname = stage_model.global_name(name, stage.layer_start, rt.first)
-        out[f"{gname}/tp{pos.tp_rank}of{rt.plan.tensor_parallel}"] = p
-    return out
-
-
-def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [o.optimizer for o in chained]
-
-
 def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool) -> dict:
-    params = _named_params(rt, tied_embeddings)
+    params = state_transfer.named_parameters(rt, tied_embeddings)
     sd: dict[str, torch.Tensor] = {f"model/{k}": p.data for k, p in params.items()}
     by_id = {id(p): k for k, p in params.items()}
-    for opt in _torch_optimizers(rt.optimizer):
+    for opt in state_transfer.torch_optimizers(rt.optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
                 state = opt.state[p]

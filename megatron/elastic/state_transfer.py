@@ -1,0 +1,62 @@
+"""Carry a rank's training state from the runtime of one plan to the runtime of the next.
+
+Parameters and Adam moments are matched by their layout-independent global names, so a rank that
+keeps its layers across a re-plan (rerouting) keeps them bit for bit, whatever was rebuilt around
+them (process groups, DDP buffers, optimizer objects). Layers a rank does not have yet must come
+from a replica (a later issue); asking for them here is an error that names them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.elastic import stage_model
+from megatron.elastic.schedules import StageRuntime
+
+
+def named_parameters(rt: StageRuntime, tied_embeddings: bool) -> dict[str, torch.nn.Parameter]:
+    """Global name (with the tensor-parallel shard) -> parameter, for this rank's stage."""
+    stage = rt.plan.stage_of(rt.rank)
+    pos = rt.plan.position(rt.rank)
+    out = {}
+    for name, p in rt.module.named_parameters():
+        if name == "output_layer.weight" and not tied_embeddings:
+            gname = name
+        else:
+            gname = stage_model.global_name(name, stage.layer_start, rt.first)
+        out[f"{gname}/tp{pos.tp_rank}of{rt.plan.tensor_parallel}"] = p
+    return out
+
+
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron-core (chained) optimizer."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def optimizer_state(rt: StageRuntime, tied_embeddings: bool) -> dict[str, dict[str, torch.Tensor]]:
+    by_id = {id(p): k for k, p in named_parameters(rt, tied_embeddings).items()}
+    out = {}
+    for opt in torch_optimizers(rt.optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                out[by_id[id(p)]] = opt.state[p]
+    return out
+
+
+def copy_local_state(old: StageRuntime, new: StageRuntime, tied_embeddings: bool) -> None:
+    old_params = named_parameters(old, tied_embeddings)
+    new_params = named_parameters(new, tied_embeddings)
+    missing = sorted(set(new_params) - set(old_params))
+    if missing:
+        raise RuntimeError(f"rank {new.rank} lacks {len(missing)} parameters for its new stage "
+                           f"(first: {missing[0]}); moving layers between ranks is not supported")
+    old_state = optimizer_state(old, tied_embeddings)
+    new_state = optimizer_state(new, tied_embeddings)
+    with torch.no_grad():
+        for name, p in new_params.items():
+            p.copy_(old_params[name])
+            state = new_state[name]
+            state.clear()
+            state.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in old_state[name].items()})
+    new.scheduler.load_state_dict(old.scheduler.state_dict())
