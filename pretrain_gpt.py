@@ -53,8 +53,7 @@ def train_valid_test_datasets_provider(args, tokenizer):
         data_path=args.data_path, mock_data=args.mock_data, split=args.split,
         seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
         train_samples=args.train_iters * gbs,
-        valid_samples=(args.train_iters // args.eval_interval + 1) * args.eval_iters * gbs
-        if args.eval_interval else 0,
+        valid_samples=args.eval_iters * gbs if args.eval_interval else 0,  # the same batches each time
         test_samples=0, data_cache_path=args.data_cache_path)
 
 

@@ -52,9 +52,9 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
           sched: SchedulerSettings, seed: int, tied_embeddings: bool,
           seq_length: int, get_batch: Callable[[int, int], dict], forward_step, loss_func,
           timeout: timedelta | None = None, timers=None, executor: str = "ir",
-          previous: StageRuntime | None = None) -> Built:
-    """`previous`: the runtime of the plan before, whose parameters, optimizer state and LR
-    schedule this rank carries over (after a failure)."""
+          carried: state_transfer.CarriedState | None = None) -> Built:
+    """`carried`: this rank's parameters, optimizer state and LR schedule under the plan
+    before (after a failure), restored into the new runtime."""
     schedule = list_schedule(plan, UniformCosts()) if plan.rerouted else one_f_one_b(plan)
     simulate(plan, schedule, UniformCosts())  # every schedule is checked before it runs
     groups = parallel_state.initialize(plan, rank, timeout)
@@ -99,8 +99,8 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         embedding_group=groups.embd if tied is not None else None, tied_weight=tied,
         representative=groups.representative,
         before_forward=seeder.at if seeder else None, timers=timers)
-    if previous is not None:
-        state_transfer.copy_local_state(previous, rt, tied_embeddings)
+    if carried is not None:
+        state_transfer.restore(carried, rt, tied_embeddings)
     if executor == "megatron-core":
         from megatron.elastic.mcore_executor import MegatronCoreExecutor
         return Built(rt, MegatronCoreExecutor(rt), schedule, forward_only(plan), groups)

@@ -12,7 +12,9 @@ are summed (not averaged) over replicas, so the update is the same under every p
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -77,6 +79,7 @@ class Executor:
         self._out_grads: dict[int, torch.Tensor] = {}
         self._in_grads: dict[int, torch.Tensor] = {}
         self._pending: list = []
+        self._position = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=_device())
 
     def run(self, ops: list[Op], iteration: int) -> StepResult:
@@ -86,7 +89,7 @@ class Executor:
         self._loss_sum.zero_()
         result: tuple = (True, None)
         loss = float("nan")
-        for op in ops:
+        for self._position, op in enumerate(ops):
             if rt.before_op:
                 rt.before_op(op, iteration)
             timer = rt.timers(_TIMER_OF[op.kind], log_level=2) if rt.timers else None
@@ -110,6 +113,37 @@ class Executor:
         if self._inputs or self._outputs or self._out_grads or self._in_grads:
             raise RuntimeError(f"rank {self.rt.rank}: micro-batches left unfinished by the "
                                f"schedule: {sorted(set(self._inputs) | set(self._outputs))}")
+
+    def drain(self, ops: list[Op], timeout_s: float, lost: set[int] = frozenset()) -> None:
+        """After a failure at op `_position`: take part in the rest of the iteration's
+        communication without computing, so that live peers do not wait on this rank until a
+        timeout (gloo cannot interrupt a blocked operation). Every send still owed gets a
+        placeholder (but those to `lost` ranks), every collective is joined, receives are
+        skipped; errors (from the lost rank) are expected and ignored. The world loss sum before the optimizer step contains
+        the lost rank, so it fails on every survivor and no one steps. The placeholders' values
+        never matter: the iteration runs again."""
+        works = []
+        for op in ops[self._position + 1:]:
+            try:
+                if op.kind in (OpKind.SEND_FWD, OpKind.SEND_BWD) and op.peer not in lost:
+                    buf = torch.zeros(self.rt.activation_shape, dtype=self.rt.activation_dtype,
+                                      device=_device())
+                    works.append(dist.isend(buf, dst=op.peer, tag=op.message_tag()))
+                elif op.kind is OpKind.REDUCE_GRADS:
+                    self._reduce_grads(op, -1)
+                elif op.kind is OpKind.OPT_STEP:
+                    self._global_loss()
+            except RuntimeError:
+                continue
+        deadline = time.monotonic() + timeout_s
+        for work in works:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                work.wait(timeout=timedelta(seconds=left))
+            except RuntimeError:
+                pass
 
     def reset(self) -> None:
         """Drop everything of an interrupted iteration (activations, received tensors, sends)."""

@@ -1,5 +1,9 @@
 """Carry a rank's training state from the runtime of one plan to the runtime of the next.
 
+The old runtime must be gone before the old process groups are destroyed (its modules, DDP
+buffers and optimizer hold the groups, and a group still referenced keeps its sockets open, so
+peers blocked on it would wait for the timeout): capture() keeps only tensors and numbers.
+
 Parameters and Adam moments are matched by their layout-independent global names, so a rank that
 keeps its layers across a re-plan (rerouting) keeps them bit for bit, whatever was rebuilt around
 them (process groups, DDP buffers, optimizer objects). Layers a rank does not have yet must come
@@ -7,6 +11,8 @@ from a replica (a later issue); asking for them here is an error that names them
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -43,20 +49,35 @@ def optimizer_state(rt: StageRuntime, tied_embeddings: bool) -> dict[str, dict[s
     return out
 
 
-def copy_local_state(old: StageRuntime, new: StageRuntime, tied_embeddings: bool) -> None:
-    old_params = named_parameters(old, tied_embeddings)
-    new_params = named_parameters(new, tied_embeddings)
-    missing = sorted(set(new_params) - set(old_params))
+@dataclass
+class CarriedState:
+    """A rank's training state with no reference to any process group or module: what survives
+    the teardown of a plan's runtime."""
+
+    params: dict[str, torch.Tensor]
+    optimizer: dict[str, dict]
+    scheduler: dict
+
+
+def capture(rt: StageRuntime, tied_embeddings: bool) -> CarriedState:
+    return CarriedState(
+        params={k: p.detach() for k, p in named_parameters(rt, tied_embeddings).items()},
+        optimizer={k: dict(v) for k, v in optimizer_state(rt, tied_embeddings).items()},
+        scheduler=rt.scheduler.state_dict())
+
+
+def restore(state: CarriedState, rt: StageRuntime, tied_embeddings: bool) -> None:
+    new_params = named_parameters(rt, tied_embeddings)
+    missing = sorted(set(new_params) - set(state.params))
     if missing:
-        raise RuntimeError(f"rank {new.rank} lacks {len(missing)} parameters for its new stage "
+        raise RuntimeError(f"rank {rt.rank} lacks {len(missing)} parameters for its new stage "
                            f"(first: {missing[0]}); moving layers between ranks is not supported")
-    old_state = optimizer_state(old, tied_embeddings)
-    new_state = optimizer_state(new, tied_embeddings)
+    new_state = optimizer_state(rt, tied_embeddings)
     with torch.no_grad():
         for name, p in new_params.items():
-            p.copy_(old_params[name])
-            state = new_state[name]
-            state.clear()
-            state.update({k: v.clone() if isinstance(v, torch.Tensor) else v
-                          for k, v in old_state[name].items()})
-    new.scheduler.load_state_dict(old.scheduler.state_dict())
+            p.copy_(state.params[name])
+            opt = new_state[name]
+            opt.clear()
+            opt.update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in state.optimizer[name].items()})
+    rt.scheduler.load_state_dict(state.scheduler)

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from chameleon_ext.faults import FaultSpecError, parse_inject
+
 TOKENIZERS = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -109,6 +111,15 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="JSON-lines events (iteration, failure, recovery)")
     g.add_argument("--chameleon-plan", default=None,
                    help="run this execution plan (JSON) instead of the homogeneous one")
+    g.add_argument("--chameleon-strategy", choices=("reroute",), default="reroute",
+                   help="recovery strategy (with --chameleon)")
+    g.add_argument("--chameleon-inject", action="append", default=[], metavar="SPEC",
+                   help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward (repeatable; "
+                        "kinds kill, exit, hang, slow; phases forward, backward, grad-reduce, "
+                        "optimizer, between-iterations)")
+    g.add_argument("--chameleon-comm-timeout", type=float, default=30.0,
+                   help="seconds before a training collective or point-to-point gives up (with "
+                        "--chameleon)")
     g.add_argument("--chameleon-executor", choices=("ir", "megatron-core"), default="ir",
                    help="who runs each iteration: the schedule-IR executor, or megatron-core's own "
                         "pipeline schedule on the same model and data (homogeneous plans only; "
@@ -193,6 +204,15 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             for ext in (".bin", ".idx"):
                 need(Path(prefix + ext).is_file(),
                      f"--data-path {prefix}: {prefix + ext} does not exist")
+
+    need(not (args.chameleon and args.chameleon_executor != "ir"),
+         "--chameleon recovers only with --chameleon-executor ir")
+    for spec in args.chameleon_inject:
+        try:
+            parse_inject(spec)
+        except FaultSpecError as e:
+            raise ArgumentError(f"--chameleon-inject {spec!r}: {e}") from None
+    need(args.chameleon_comm_timeout > 0, "--chameleon-comm-timeout must be positive")
 
     cuda = _cuda_available()
     if args.distributed_backend is None:

@@ -13,14 +13,18 @@ class MetricsFile:
     only whole lines. The format is in shared/ARCHITECTURE.md."""
 
     def __init__(self, path: str | None) -> None:
+        self._path = path
         self._f = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a", buffering=1)
 
     def write(self, event: str, **fields) -> None:
-        if self._f:
-            self._f.write(json.dumps({"event": event, **fields}) + "\n")
+        """Opened on first write: whichever rank reports (rank 0 of the current world, which
+        may change after a failure) appends to the same file."""
+        if not self._path:
+            return
+        if self._f is None:
+            Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self._path, "a", buffering=1)
+        self._f.write(json.dumps({"event": event, **fields}) + "\n")
 
     def close(self) -> None:
         if self._f:

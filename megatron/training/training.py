@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -14,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ext.plan import ExecutionPlan, PlanError
-from megatron.elastic import cpu_compat, runtime
+from chameleon_ext import membership
+from chameleon_ext.faults import FaultSpecError, Injector, parse_injects
+from megatron.elastic import cpu_compat, runtime, state_transfer
+from megatron.elastic.recovery import Recovery, Unrecoverable
 from megatron.training import checkpointing
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.data import DataError, MicroBatchLoader, build_gpt_datasets
@@ -113,12 +117,16 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                                     merge_file=args.merge_file,
                                     tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
-    except (ArgumentError, PlanError, TokenizerError) as e:
+        injector = Injector(parse_injects(args.chameleon_inject), int(os.environ.get("RANK", "0")))
+    except (ArgumentError, PlanError, TokenizerError, FaultSpecError) as e:
         _fail(str(e))
+    if args.chameleon and not Recovery.available():
+        _fail("--chameleon needs the job to run under chameleon-launch (no CHAMELEON_STORE)")
     args.padded_vocab_size = _pad_vocab(tokenizer.vocab_size, args)
 
     rank, world = initialize_distributed(args)
     cpu_compat.apply()
+    recovery = Recovery(args.distributed_backend, injector=injector) if args.chameleon else None
     try:
         train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, tokenizer)
     except DataError as e:
@@ -129,19 +137,26 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
 
     from megatron.core.timers import Timers
     timers = Timers(args.timing_log_level, "minmax")
-    built = runtime.build(
-        plan, rank, config=transformer_config(args),
-        model_provider=lambda cfg, pre, post: model_provider(args, cfg, pre, post),
-        optimizer_config=optimizer_config(args),
-        sched=runtime.SchedulerSettings(args.lr, args.min_lr, args.lr_warmup_iters,
-                                        args.lr_decay_iters, args.lr_decay_style,
-                                        args.weight_decay),
-        seed=args.seed, tied_embeddings=not args.untie_embeddings_and_output_weights,
-        seq_length=args.seq_length, get_batch=train_loader.get, forward_step=forward_step,
-        loss_func=loss_func, timers=timers, executor=args.chameleon_executor)
-    set_random_seeds(args.seed)
-    rt = built.runtime
     tied = not args.untie_embeddings_and_output_weights
+    comm_timeout = timedelta(seconds=args.chameleon_comm_timeout) if args.chameleon else None
+
+    def build(plan: ExecutionPlan, rank: int, carried=None) -> runtime.Built:
+        built = runtime.build(
+            plan, rank, config=transformer_config(args),
+            model_provider=lambda cfg, pre, post: model_provider(args, cfg, pre, post),
+            optimizer_config=optimizer_config(args),
+            sched=runtime.SchedulerSettings(args.lr, args.min_lr, args.lr_warmup_iters,
+                                            args.lr_decay_iters, args.lr_decay_style,
+                                            args.weight_decay),
+            seed=args.seed, tied_embeddings=tied, seq_length=args.seq_length,
+            get_batch=train_loader.get, forward_step=forward_step, loss_func=loss_func,
+            timeout=comm_timeout, timers=timers, executor=args.chameleon_executor,
+            carried=carried)
+        built.runtime.before_op = recovery.before_op if recovery else None
+        return built
+
+    built = build(plan, rank)
+    set_random_seeds(args.seed)
     model_meta = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                   "tensor_parallel": plan.tensor_parallel, "global_batch_size": plan.global_batch_size,
                   "seq_length": args.seq_length}
@@ -149,7 +164,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     start = 0
     if args.load:
         try:
-            meta = checkpointing.load(args.load, rt, tied_embeddings=tied, expect=model_meta)
+            meta = checkpointing.load(args.load, built.runtime, tied_embeddings=tied,
+                                      expect=model_meta)
         except checkpointing.CheckpointError as e:
             _fail(str(e))
         if meta is None:
@@ -158,7 +174,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             start = meta["iteration"]
             _print0(rank, f"loaded checkpoint from {args.load} at iteration {start}")
 
-    metrics = MetricsFile(args.chameleon_metrics_file if rank == 0 else None)
+    metrics = MetricsFile(args.chameleon_metrics_file)
     tb = Tensorboard(args.tensorboard_dir if rank == 0 else None)
     if rank == 0:
         _print0(rank, f"> plan: {plan.world_size} ranks, {len(plan.pipelines)} pipeline(s) x "
@@ -168,16 +184,45 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                       f"{args.transformer_impl}, fused kernels: "
                       f"{'apex' if _has('apex') else 'torch fallbacks (no apex)'}")
         if args.chameleon:
-            _print0(rank, "> chameleon: in-process recovery requested; no recovery strategy is "
-                          "built into this version yet, so a lost rank still ends the job")
+            _print0(rank, f"> chameleon: in-process recovery on (strategy "
+                          f"{args.chameleon_strategy}), {len(injector.specs)} injected fault(s)")
     bar = _progress(rank, args, start)
     tokens_per_iter = plan.global_batch_size * args.seq_length
     watch = Stopwatch()
     losses: list[float] = []
     times: list[float] = []
+    events: list[tuple[int, int]] = []  # (index into times where a recovery happened, generation)
     skipped = 0
-    for it in range(start + 1, args.train_iters + 1):
-        res = built.executor.run(built.schedule.ops[rank], it - 1)
+    strategy = "none"
+    it = start + 1
+    while it <= args.train_iters:
+        injector.maybe_fire(it, "between-iterations")
+        error = None
+        try:
+            res = built.executor.run(built.schedule.ops[rank], it - 1)
+        except RuntimeError as e:
+            if recovery is None:
+                raise
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        if error is not None:  # outside the except block: its traceback would pin the groups
+            built.executor.drain(built.schedule.ops[rank], timeout_s=2.0, lost=recovery.lost_ranks())
+            carried = state_transfer.capture(built.runtime, tied)
+            built.executor.reset()
+            del built
+            gc.collect()
+            try:
+                out = recovery.recover(plan)
+            except (Unrecoverable, membership.MembershipError) as why:
+                _fail(f"cannot recover in-process at iteration {it}: {why}")
+            plan, rank = out.plan, out.rank
+            built = build(plan, rank, carried=carried)
+            del carried
+            strategy = "reroute"
+            events.append((len(times), plan.generation))
+            if rank == 0:
+                _report_recovery(metrics, bar, out, it, plan, error, times)
+            watch.lap_ms()
+            continue
         ms = watch.lap_ms()
         skipped += 0 if res.update_successful else 1
         losses.append(res.loss)
@@ -185,11 +230,12 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         if not math.isfinite(res.loss):
             _fail(f"loss is {res.loss} at iteration {it}")
         tps = tokens_per_iter / (ms / 1e3)
-        lr = rt.optimizer.param_groups[0]["lr"]
-        metrics.write("iteration", iteration=it, loss=res.loss,
-                      consumed_samples=it * plan.global_batch_size, elapsed_ms=round(ms, 3),
-                      tokens_per_s=round(tps, 1), world=world, generation=plan.generation,
-                      strategy="none")
+        lr = built.runtime.optimizer.param_groups[0]["lr"]
+        if rank == 0:
+            metrics.write("iteration", iteration=it, loss=res.loss,
+                          consumed_samples=it * plan.global_batch_size, elapsed_ms=round(ms, 3),
+                          tokens_per_s=round(tps, 1), world=plan.world_size,
+                          generation=plan.generation, strategy=strategy)
         tb.scalars(it, **{"lm loss": res.loss, "learning-rate": lr, "grad-norm": res.grad_norm,
                           "iteration-time": ms / 1e3, "tokens-per-second": tps})
         if it % args.log_interval == 0:
@@ -206,25 +252,57 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             _write(bar, rank, f" validation loss at iteration {it} | lm loss value: {vloss:.6E} |"
                               f" lm loss PPL: {math.exp(min(vloss, 20)):.6E} |")
             tb.scalars(it, **{"lm loss validation": vloss})
-            metrics.write("validation", iteration=it, loss=vloss)
+            if rank == 0:
+                metrics.write("validation", iteration=it, loss=vloss)
             watch.lap_ms()
         if args.save and args.save_interval and it % args.save_interval == 0:
-            _save(args, rt, it, tied, model_meta, bar, rank)
+            _save(args, built.runtime, it, tied, model_meta, bar, rank)
             watch.lap_ms()
         if bar:
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.4f}")
+        it += 1
     if bar:
         bar.close()
     last = args.train_iters
     if args.save and last > start and not (args.save_interval and last % args.save_interval == 0):
-        _save(args, rt, last, tied, model_meta, None, rank)
-    summary = _summary(rank, plan, args, start, losses, times, tokens_per_iter)
+        _save(args, built.runtime, last, tied, model_meta, None, rank)
+    summary = _summary(rank, plan, args, start, losses, times, tokens_per_iter, events)
     metrics.close()
     tb.close()
     dist.barrier()
     dist.destroy_process_group()
+    if recovery:
+        recovery.stop()
     return summary
+
+
+def _report_recovery(metrics, bar, out, it, plan, error: str, times) -> None:
+    cause = ", ".join(f"rank {r}: {c}" for r, c in out.causes.items())
+    before = sorted(times[-10:])[len(times[-10:]) // 2] if times else None
+    metrics.write("failure", generation=out.old_generation, ranks=out.failed,
+                  cause=",".join(sorted(set(out.causes.values()))),
+                  detect_ms=None if out.detect_ms is None else round(max(out.detect_ms, 0.0), 1))
+    metrics.write("recovery", generation=plan.generation, strategy="reroute",
+                  candidates=[{"strategy": "reroute", "predicted_iter_ms": None,
+                               "transition_ms": round(out.reconfigure_ms, 1)}],
+                  reconfigure_ms=round(out.reconfigure_ms, 1), lost_iterations=1,
+                  world=plan.world_size)
+    moved = [f"micro-batch(es) of pipeline {pi} stage {si} now on rank(s) "
+             f"{sorted({r for rs in st.hosts.values() for r in rs})}"
+             for pi, p in enumerate(plan.pipelines) for si, st in enumerate(p.stages)
+             if not st.ranks]
+    detect = "" if out.detect_ms is None else f", detected {max(out.detect_ms, 0.0):.0f} ms after it"
+    lines = [
+        f"> recovery at iteration {it}: lost launch rank(s) {out.failed} ({cause}){detect}",
+        f"  ({error})",
+        f"  strategy reroute: {'; '.join(moved)}",
+        f"  new world {plan.world_size} ranks, generation {plan.generation}, reconfigured in "
+        f"{out.reconfigure_ms:.0f} ms; iteration {it} runs again from its start"
+        + (f" (before: {before:.1f} ms/iteration)" if before else ""),
+    ]
+    for line in lines:
+        _write(bar, 0, line)
 
 
 _OP_TIMERS = ("forward-recv", "forward-compute", "forward-send", "backward-recv",
@@ -248,7 +326,7 @@ def _save(args, rt, it, tied, model_meta, bar, rank) -> None:
     _write(bar, rank, f"  successfully saved checkpoint at iteration {it} to {path}")
 
 
-def _summary(rank, plan, args, start, losses, times, tokens_per_iter) -> dict:
+def _summary(rank, plan, args, start, losses, times, tokens_per_iter, events) -> dict:
     steady = sorted(times[1:] or times)
     median_ms = steady[len(steady) // 2] if steady else float("nan")
     summary = {
@@ -268,6 +346,14 @@ def _summary(rank, plan, args, start, losses, times, tokens_per_iter) -> dict:
             print(f"   loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
             print(f"   median iteration time: {median_ms:.1f} ms, "
                   f"throughput: {summary['tokens_per_s']:.0f} tokens/s")
+        if events:
+            cut = events[-1][0]
+            pre, post = sorted(times[1:events[0][0]]), sorted(times[cut + 1:])
+            if pre and post:
+                b, a = pre[len(pre) // 2], post[len(post) // 2]
+                print(f"   {len(events)} recovery(ies); iteration time {b:.1f} ms before the first "
+                      f"failure, {a:.1f} ms after the last ({a / b:.2f}x)")
+                summary.update(before_ms=b, after_ms=a)
         print("-" * 72, flush=True)
     return summary
 

@@ -33,8 +33,10 @@ def test_megatron_core_no_pipelining_matches_single_process(single, small_data, 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_layouts_match_single_process(single, small_data, tmp_path, pp):
-    run = run_job(4, common(small_data) + ["--pipeline-model-parallel-size", str(pp)], tmp_path)
+    run = run_job(4, common(small_data) + ["--pipeline-model-parallel-size", str(pp),
+                                           "--tensorboard-dir", str(tmp_path / "tb")], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert_close(run.losses(), single.losses())
     consumed = [e["consumed_samples"] for e in run.metrics if e["event"] == "iteration"]
     assert consumed == [16 * i for i in range(1, 11)]

@@ -1,0 +1,105 @@
+"""In-process recovery of a worker after a peer is lost (`--chameleon`, under chameleon-launch).
+
+The recipe (chameleon_ext.membership): drop the broken groups first (so peers still blocked in a
+collective with us fail at once), agree with the other survivors on the store, let the leader
+choose the new plan and publish it, re-create the world on the next generation's PrefixStore, and
+rebuild the runtime around the state this rank already holds. The interrupted iteration then runs
+again from its start: its partial gradients are discarded with the old runtime, and no survivor
+has stepped its optimizer (the world loss sum before the step is the commit point).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from chameleon_ext import membership
+from chameleon_ext.faults import Injector
+from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.schedule_ir import Op, OpKind
+from chameleon_ext.strategies.reroute import reroute
+from megatron.elastic import parallel_state
+
+PHASE_OF = {OpKind.FWD: "forward", OpKind.BWD: "backward", OpKind.REDUCE_GRADS: "grad-reduce",
+            OpKind.OPT_STEP: "optimizer"}
+
+
+class Unrecoverable(RuntimeError):
+    """No plan over the survivors can continue in-process; the message says why."""
+
+
+@dataclass
+class Outcome:
+    plan: ExecutionPlan
+    rank: int
+    failed: list[int]               # launch ranks lost in this event
+    causes: dict[int, str]
+    detect_ms: float | None         # failure record (agent) -> this rank noticed
+    reconfigure_ms: float
+    old_generation: int
+
+
+@dataclass
+class Recovery:
+    backend: str
+    agree_timeout_s: float = 60.0
+    injector: Injector = field(default_factory=lambda: Injector([], 0))
+
+    def __post_init__(self) -> None:
+        self.store = membership.connect_store()
+        self.members = membership.Membership.from_env(self.store)
+        self.launch_rank = self.members.rank
+        self.alive = list(range(self.members.world_size))  # launch rank of each current rank
+        self.generation = 0
+        self.members.start_heartbeat()
+
+    @classmethod
+    def available(cls) -> bool:
+        return bool(os.environ.get("CHAMELEON_STORE"))
+
+    def before_op(self, op: Op, iteration: int) -> None:
+        phase = PHASE_OF.get(op.kind)
+        if phase:
+            self.injector.maybe_fire(iteration + 1, phase)
+
+    def lost_ranks(self) -> set[int]:
+        """Current ranks already reported failed on the store."""
+        failed = self.members.failures()
+        return {i for i, r in enumerate(self.alive) if r in failed}
+
+    def recover(self, plan: ExecutionPlan) -> Outcome:
+        noticed = time.time()
+        parallel_state.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # Destroyed groups sit in reference cycles; only their collection closes the sockets,
+        # which is what makes peers still blocked on us fail now instead of at their timeout.
+        gc.collect()
+        ag = self.members.agree(self.generation + 1, self.alive, self.agree_timeout_s)
+        failed = [r for r in self.alive if r not in ag.alive]
+        if ag.leader == self.launch_rank:
+            lost = {self.alive.index(r) for r in failed}
+            new = reroute(plan, lost)
+            ok = new is not None and new.world_size == len(ag.alive)
+            self.members.publish(ag.generation, "plan", new.to_json() if ok else "none")
+        text = self.members.read(ag.generation, "plan", publisher=ag.leader).decode()
+        if text == "none":
+            raise Unrecoverable(
+                f"lost launch rank(s) {failed}: rerouting cannot absorb it (no surviving replica "
+                "of some stage, or idle tensor-parallel siblings), and restart from a "
+                "checkpoint is not built yet")
+        new_plan = ExecutionPlan.from_json(text)
+        rank = membership.rebuild_world(self.store, ag, self.launch_rank, self.backend)
+        records = self.members.failures()
+        detect = [noticed - records[r].time for r in failed if r in records]
+        old_generation, self.generation, self.alive = self.generation, ag.generation, ag.alive
+        return Outcome(new_plan, rank, failed, {r: ag.causes.get(r, "failed") for r in failed},
+                       1e3 * max(detect) if detect else None, 1e3 * (time.time() - noticed),
+                       old_generation)
+
+    def stop(self) -> None:
+        self.members.stop()

@@ -1,0 +1,79 @@
+"""Kill a worker mid-iteration under chameleon-launch: the survivors reroute its micro-batches
+and finish every iteration with the failure-free losses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO, SMALL_MODEL, assert_close, free_port, kill_group, run_job
+
+pytestmark = pytest.mark.slow
+
+
+def common(data: str) -> list[str]:
+    return SMALL_MODEL + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
+                          "--train-iters", "8", "--lr-decay-iters", "8", "--lr", "3e-3",
+                          "--data-path", data, "--split", "100,0,0", "--log-interval", "1"]
+
+
+def launch(args: list[str], workdir, name: str, timeout: float = 240):
+    metrics = workdir / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "chameleon_ext.launcher", "--nproc-per-node", "4",
+           "--master-port", str(free_port()), str(REPO / "pretrain_gpt.py"), *args,
+           "--chameleon-metrics-file", str(metrics)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"{name} did not finish in {timeout} s\n{err[-3000:]}")
+    finally:
+        kill_group(proc.pid)
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return proc.returncode, out, err, events
+
+
+@pytest.fixture(scope="module")
+def reference(small_data, tmp_path_factory):
+    run = run_job(4, common(small_data), tmp_path_factory.mktemp("ref"), name="ref")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.losses()
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "grad-reduce", "optimizer",
+                                   "between-iterations"])
+def test_kill_at_iteration_5_keeps_the_loss_trajectory(reference, small_data, tmp_path, phase):
+    rc, out, err, events = launch(common(small_data) + [
+        "--chameleon", "--chameleon-inject", f"kill:rank=3,iter=5,phase={phase}"],
+        tmp_path, phase)
+    assert rc == 0, err[-3000:]
+    iters = [e for e in events if e["event"] == "iteration"]
+    assert [e["iteration"] for e in iters] == list(range(1, 9))
+    assert_close([e["loss"] for e in iters], reference)
+    assert [e["consumed_samples"] for e in iters] == [16 * i for i in range(1, 9)]
+    assert [e["world"] for e in iters] == [4] * 4 + [3] * 4
+    failure = [e for e in events if e["event"] == "failure"]
+    recovery = [e for e in events if e["event"] == "recovery"]
+    assert len(failure) == 1 and failure[0]["ranks"] == [3] and failure[0]["cause"] == "signal"
+    assert len(recovery) == 1 and recovery[0]["strategy"] == "reroute"
+    assert recovery[0]["generation"] == 1 and recovery[0]["lost_iterations"] == 1
+    assert "> recovery at iteration 5: lost launch rank(s) [3]" in out
+    # detection and reconfiguration stay far below the training groups' timeout (30 s)
+    assert failure[0]["detect_ms"] < 5000 and recovery[0]["reconfigure_ms"] < 5000
+
+
+def test_without_a_surviving_replica_the_job_stops_with_a_clear_message(small_data, tmp_path):
+    args = SMALL_MODEL + ["--pipeline-model-parallel-size", "4", "--global-batch-size", "8",
+                          "--train-iters", "6", "--data-path", small_data, "--split", "100,0,0",
+                          "--chameleon", "--chameleon-inject", "kill:rank=2,iter=3"]
+    rc, out, err, events = launch(args, tmp_path, "pp4")
+    assert "cannot recover in-process at iteration 3" in err
+    assert "rerouting cannot absorb it" in err
+    assert [e["iteration"] for e in events if e["event"] == "iteration"] == [1, 2]
