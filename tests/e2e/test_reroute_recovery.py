@@ -21,9 +21,15 @@ def common(data: str) -> list[str]:
 
 
 def launch(args: list[str], workdir, name: str, timeout: float = 240):
+    return launch_n(4, args, workdir, name, timeout=timeout)
+
+
+def launch_n(nproc: int, args: list[str], workdir, name: str, *, timeout: float = 300,
+             extra: list[str] = ()):
+    """chameleon-launch with `nproc` workers; returns (exit code, stdout, stderr, events)."""
     metrics = workdir / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "chameleon_ext.launcher", "--nproc-per-node", "4",
-           "--master-port", str(free_port()), str(REPO / "pretrain_gpt.py"), *args,
+    cmd = [sys.executable, "-m", "chameleon_ext.launcher", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), *extra, str(REPO / "pretrain_gpt.py"), *args,
            "--chameleon-metrics-file", str(metrics)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -77,3 +83,25 @@ def test_without_a_surviving_replica_the_job_stops_with_a_clear_message(small_da
     assert "cannot recover in-process at iteration 3" in err
     assert "rerouting cannot absorb it" in err
     assert [e["iteration"] for e in events if e["event"] == "iteration"] == [1, 2]
+
+
+def test_two_failures_in_different_pipelines_and_a_hang(small_data, tmp_path):
+    """Pipeline 2 x data 3: rank 5 killed at iteration 3, rank 4 stops (SIGSTOP) at iteration 6
+    and is found by its stale heartbeat; stage 1 ends up on rank 3 alone."""
+    args = SMALL_MODEL + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12",
+                          "--train-iters", "8", "--lr-decay-iters", "8", "--data-path",
+                          small_data, "--split", "100,0,0", "--log-interval", "1"]
+    ref = run_job(6, args, tmp_path, name="ref6")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    rc, out, err, events = launch_n(6, args + [
+        "--chameleon", "--chameleon-inject", "kill:rank=5,iter=3,phase=forward",
+        "--chameleon-inject", "hang:rank=4,iter=6,phase=backward"], tmp_path, "two",
+        extra=["--heartbeat-timeout", "2"])
+    assert rc == 0, err[-3000:]
+    iters = [e for e in events if e["event"] == "iteration"]
+    assert [e["iteration"] for e in iters] == list(range(1, 9))
+    assert_close([e["loss"] for e in iters], ref.losses())
+    assert [e["world"] for e in iters] == [6, 6, 5, 5, 5, 4, 4, 4]
+    fails = [e for e in events if e["event"] == "failure"]
+    assert [(f["ranks"], f["cause"]) for f in fails] == [([5], "signal"), ([4], "hang")]
+    assert [e["generation"] for e in events if e["event"] == "recovery"] == [1, 2]
