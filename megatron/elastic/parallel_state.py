@@ -40,9 +40,10 @@ class RankGroups:
     dp_ranks: list[int]
     embd_ranks: list[int]
     pos_embd_ranks: list[int]
-    # One rank of each replica group counts its gradients in the global norm (and contributes
-    # the tied embedding gradient), so every layer is counted exactly once in any plan.
+    # One rank of each replica group counts its gradients in the global norm, so every layer
+    # is counted exactly once in any plan.
     representative: bool
+    embedding_contributor: bool
 
 
 def _own_stages(p) -> list:
@@ -53,16 +54,13 @@ def _layout(plan: ExecutionPlan, rank: int) -> dict[str, list[int]]:
     """The rank lists of `rank`'s groups.
 
     Gradient norms are summed over the whole world with one representative per replica group
-    (model-parallel group = world), and the tied-embedding group joins every holder of the first
-    or last layers of a tensor-parallel shard: both stay right when a pipeline has lost a stage
-    and its micro-batches run elsewhere."""
+    (model-parallel group = world), and the tied-embedding groups adopt the ends of pipelines
+    that lost a stage: both stay right when a lost stage's micro-batches run elsewhere."""
     pos = plan.position(rank)
     pipe = plan.pipelines[pos.pipeline]
     stage = pipe.stages[pos.stage]
     t = pos.tp_rank
-    ends = {0, plan.num_layers}
-    embd = sorted(st.ranks[t] for p in plan.pipelines for st in _own_stages(p)
-                  if st.layer_start == 0 or st.layer_end == plan.num_layers)
+    embd = next((g for g in embedding_groups(plan, t) if rank in g), [])
     return {
         "tp": list(stage.ranks),
         "pp": [st.ranks[t] for st in _own_stages(pipe)],
@@ -71,9 +69,34 @@ def _layout(plan: ExecutionPlan, rank: int) -> dict[str, list[int]]:
         "tp_dp": sorted(r for p in plan.pipelines for st in _own_stages(p)
                         if (st.layer_start, st.layer_end) == (stage.layer_start, stage.layer_end)
                         for r in st.ranks),
-        "embd": embd if (stage.layer_start in ends or stage.layer_end in ends) else [],
+        "embd": embd,
         "single": [rank],
     }
+
+
+def embedding_groups(plan: ExecutionPlan, t: int) -> list[list[int]]:
+    """Groups that sum the tied embedding's gradient, for tensor-parallel rank t: Megatron's
+    (first stage, last stage) pair of each pipeline; the first- or last-stage rank of a pipeline
+    that lost its other end joins the first pair. Within a group, the lowest first-stage rank
+    and the lowest last-stage rank contribute, the others add zeros (embedding_contributor)."""
+    ends: list[tuple[int | None, int | None]] = []
+    for p in plan.pipelines:
+        if len(p.stages) < 2:
+            return []  # one stage holds both ends: the weight is one parameter
+        first, last = p.stages[0].ranks, p.stages[-1].ranks
+        ends.append((first[t] if first else None, last[t] if last else None))
+    groups = [[f, l] for f, l in ends if f is not None and l is not None]
+    orphans = [r for f, l in ends if f is None or l is None for r in (f, l) if r is not None]
+    if not groups:
+        return [sorted(orphans)] if orphans else []
+    groups[0] += orphans
+    return [sorted(g) for g in groups]
+
+
+def embedding_contributor(plan: ExecutionPlan, rank: int, group: list[int]) -> bool:
+    firsts = [r for r in group if plan.stage_of(r).layer_start == 0]
+    lasts = [r for r in group if plan.stage_of(r).layer_end == plan.num_layers]
+    return rank in (min(firsts, default=None), min(lasts, default=None))
 
 
 def _group_rank_lists(plan: ExecutionPlan) -> list[tuple[int, ...]]:
@@ -112,6 +135,7 @@ def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = Non
         tp_ranks=mine["tp"], pp_ranks=mine["pp"], mp_ranks=mine["mp"], dp_ranks=mine["dp"],
         embd_ranks=embd, pos_embd_ranks=[rank] if first else [],
         representative=rank == mine["dp"][0],
+        embedding_contributor=bool(embd) and embedding_contributor(plan, rank, embd),
     )
 
 

@@ -97,7 +97,7 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         activation_shape=(seq_length, plan.micro_batch_size, config.hidden_size),
         activation_dtype=config.params_dtype,
         embedding_group=groups.embd if tied is not None else None, tied_weight=tied,
-        representative=groups.representative,
+        embedding_contributor=groups.embedding_contributor,
         before_forward=seeder.at if seeder else None, timers=timers)
     if carried is not None:
         state_transfer.restore(carried, rt, tied_embeddings)

@@ -59,7 +59,7 @@ class StageRuntime:
     activation_dtype: torch.dtype
     embedding_group: dist.ProcessGroup | None = None
     tied_weight: torch.nn.Parameter | None = None
-    representative: bool = True   # this rank's replica group counts its gradients through it
+    embedding_contributor: bool = True  # adds its tied-embedding gradient in its group
     before_forward: Callable[[int, int], None] | None = None  # (iteration, mb): dropout seeding
     before_op: Callable[[Op, int], None] | None = None  # (op, iteration): failure injection
     timers: object | None = None
@@ -236,10 +236,10 @@ class Executor:
         rt = self.rt
         rt.model.finish_grad_sync()
         if rt.embedding_group is not None:
-            # Replicas hold identical summed gradients now; one per replica group contributes,
-            # so first-layer and last-layer copies each get embedding + output gradient once.
+            # Replicas hold identical summed gradients now; one first-stage and one last-stage
+            # rank per group contribute, so every copy gets embedding + output gradient once.
             grad = rt.tied_weight.main_grad
-            if not rt.representative:
+            if not rt.embedding_contributor:
                 grad.zero_()
             dist.all_reduce(grad, group=rt.embedding_group)
 

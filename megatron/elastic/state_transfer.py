@@ -81,3 +81,10 @@ def restore(state: CarriedState, rt: StageRuntime, tied_embeddings: bool) -> Non
             opt.update({k: v.clone() if isinstance(v, torch.Tensor) else v
                         for k, v in state.optimizer[name].items()})
     rt.scheduler.load_state_dict(state.scheduler)
+
+
+def parameter_digests(rt: StageRuntime, tied_embeddings: bool) -> dict[str, str]:
+    """sha256 of each parameter's bytes, by global name: replicas must agree bit for bit."""
+    import hashlib
+    return {name: hashlib.sha256(p.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+            for name, p in named_parameters(rt, tied_embeddings).items()}

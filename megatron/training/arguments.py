@@ -117,9 +117,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward (repeatable; "
                         "kinds kill, exit, hang, slow; phases forward, backward, grad-reduce, "
                         "optimizer, between-iterations)")
-    g.add_argument("--chameleon-comm-timeout", type=float, default=30.0,
-                   help="seconds before a training collective or point-to-point gives up (with "
-                        "--chameleon)")
+    g.add_argument("--chameleon-comm-timeout", type=float, default=5.0,
+                   help="seconds a training collective or point-to-point may wait before it is "
+                        "taken as a failure (with --chameleon); a false alarm costs one re-run "
+                        "iteration")
     g.add_argument("--chameleon-executor", choices=("ir", "megatron-core"), default="ir",
                    help="who runs each iteration: the schedule-IR executor, or megatron-core's own "
                         "pipeline schedule on the same model and data (homogeneous plans only; "

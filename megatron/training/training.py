@@ -267,6 +267,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     last = args.train_iters
     if args.save and last > start and not (args.save_interval and last % args.save_interval == 0):
         _save(args, built.runtime, last, tied, model_meta, None, rank)
+    if args.chameleon:
+        _check_replicas(built.runtime, tied, rank, metrics, bar)
     summary = _summary(rank, plan, args, start, losses, times, tokens_per_iter, events)
     metrics.close()
     tb.close()
@@ -275,6 +277,24 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     if recovery:
         recovery.stop()
     return summary
+
+
+def _check_replicas(rt, tied: bool, rank: int, metrics: MetricsFile, bar) -> None:
+    """Every copy of every parameter (replicas, and the tied embedding's two ends) must be
+    bit-identical: gathered digests, compared on rank 0."""
+    mine = state_transfer.parameter_digests(rt, tied)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return
+    seen: dict[str, set[str]] = {}
+    for digests in everyone:
+        for name, d in digests.items():
+            seen.setdefault(name, set()).add(d)
+    differ = sorted(n for n, ds in seen.items() if len(ds) > 1)
+    metrics.write("replicas", parameters=len(seen), identical=not differ, differing=differ[:10])
+    _write(bar, 0, f"> replicas: {len(seen)} parameters, "
+                   + ("all copies bit-identical" if not differ else f"{len(differ)} DIFFER: {differ[:3]}"))
 
 
 def _report_recovery(metrics, bar, out, it, plan, error: str, times) -> None:

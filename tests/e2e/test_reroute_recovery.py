@@ -71,6 +71,8 @@ def test_kill_at_iteration_5_keeps_the_loss_trajectory(reference, small_data, tm
     assert len(recovery) == 1 and recovery[0]["strategy"] == "reroute"
     assert recovery[0]["generation"] == 1 and recovery[0]["lost_iterations"] == 1
     assert "> recovery at iteration 5: lost launch rank(s) [3]" in out
+    replicas = [e for e in events if e["event"] == "replicas"]
+    assert replicas and replicas[0]["identical"] and replicas[0]["parameters"] > 10
     # detection and reconfiguration stay far below the training groups' timeout (30 s)
     assert failure[0]["detect_ms"] < 5000 and recovery[0]["reconfigure_ms"] < 5000
 
@@ -105,3 +107,4 @@ def test_two_failures_in_different_pipelines_and_a_hang(small_data, tmp_path):
     fails = [e for e in events if e["event"] == "failure"]
     assert [(f["ranks"], f["cause"]) for f in fails] == [([5], "signal"), ([4], "hang")]
     assert [e["generation"] for e in events if e["event"] == "recovery"] == [1, 2]
+    assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
