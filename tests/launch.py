@@ -41,19 +41,36 @@ class Run:
 def run_job(nproc: int, args: list[str], workdir: Path, *, timeout: float = 240,
             name: str = "job") -> Run:
     """torchrun --nproc-per-node nproc pretrain_gpt.py args; metrics go to workdir/name.jsonl."""
+    return _run(["torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+                 "127.0.0.1", "--master-port", str(free_port())], args, workdir, timeout, name)
+
+
+def run_chameleon(nproc: int, args: list[str], workdir: Path, *, timeout: float = 300,
+                  name: str = "job", launcher_args: list[str] = ()) -> Run:
+    """The same under chameleon-launch, whose workers survive a peer's death."""
+    return _run(["chameleon_ext.launcher", "--nproc-per-node", str(nproc), "--master-port",
+                 str(free_port()), *launcher_args], args, workdir, timeout, name)
+
+
+def _run(launcher: list[str], args: list[str], workdir: Path, timeout: float, name: str) -> Run:
     metrics = workdir / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(REPO / "pretrain_gpt.py"), *args, "--chameleon-metrics-file", str(metrics)]
+    cmd = [sys.executable, "-m", *launcher, str(REPO / "pretrain_gpt.py"), *args,
+           "--chameleon-metrics-file", str(metrics)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
-        out, err = proc.communicate()
+        # Ctrl-C first: both launchers then reap their workers (chameleon-launch starts each
+        # in a session of its own, out of reach of a signal to the launcher's group).
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            out, err = proc.communicate()
         raise AssertionError(f"{name} did not finish in {timeout} s\n{err[-3000:]}")
     finally:
         kill_group(proc.pid)

@@ -1,15 +1,9 @@
 """Kill a worker mid-iteration under chameleon-launch: the survivors reroute its micro-batches
 and finish every iteration with the failure-free losses."""
 
-import json
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 
-from tests.launch import REPO, SMALL_MODEL, assert_close, free_port, kill_group, run_job
+from tests.launch import SMALL_MODEL, assert_close, run_chameleon, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -18,32 +12,6 @@ def common(data: str) -> list[str]:
     return SMALL_MODEL + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
                           "--train-iters", "8", "--lr-decay-iters", "8", "--lr", "3e-3",
                           "--data-path", data, "--split", "100,0,0", "--log-interval", "1"]
-
-
-def launch(args: list[str], workdir, name: str, timeout: float = 240):
-    return launch_n(4, args, workdir, name, timeout=timeout)
-
-
-def launch_n(nproc: int, args: list[str], workdir, name: str, *, timeout: float = 300,
-             extra: list[str] = ()):
-    """chameleon-launch with `nproc` workers; returns (exit code, stdout, stderr, events)."""
-    metrics = workdir / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "chameleon_ext.launcher", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), *extra, str(REPO / "pretrain_gpt.py"), *args,
-           "--chameleon-metrics-file", str(metrics)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-        raise AssertionError(f"{name} did not finish in {timeout} s\n{err[-3000:]}")
-    finally:
-        kill_group(proc.pid)
-    events = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return proc.returncode, out, err, events
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +24,11 @@ def reference(small_data, tmp_path_factory):
 @pytest.mark.parametrize("phase", ["forward", "backward", "grad-reduce", "optimizer",
                                    "between-iterations"])
 def test_kill_at_iteration_5_keeps_the_loss_trajectory(reference, small_data, tmp_path, phase):
-    rc, out, err, events = launch(common(small_data) + [
+    run = run_chameleon(4, common(small_data) + [
         "--chameleon", "--chameleon-inject", f"kill:rank=3,iter=5,phase={phase}"],
-        tmp_path, phase)
-    assert rc == 0, err[-3000:]
+        tmp_path, name=phase)
+    assert run.returncode == 0, run.stderr[-3000:]
+    events, out = run.metrics, run.stdout
     iters = [e for e in events if e["event"] == "iteration"]
     assert [e["iteration"] for e in iters] == list(range(1, 9))
     assert_close([e["loss"] for e in iters], reference)
@@ -81,9 +50,10 @@ def test_without_a_surviving_replica_the_job_stops_with_a_clear_message(small_da
     args = SMALL_MODEL + ["--pipeline-model-parallel-size", "4", "--global-batch-size", "8",
                           "--train-iters", "6", "--data-path", small_data, "--split", "100,0,0",
                           "--chameleon", "--chameleon-inject", "kill:rank=2,iter=3"]
-    rc, out, err, events = launch(args, tmp_path, "pp4")
-    assert "cannot recover in-process at iteration 3" in err
-    assert "rerouting cannot absorb it" in err
+    run = run_chameleon(4, args, tmp_path, name="pp4")
+    events = run.metrics
+    assert "cannot recover in-process at iteration 3" in run.stderr
+    assert "rerouting cannot absorb it" in run.stderr
     assert [e["iteration"] for e in events if e["event"] == "iteration"] == [1, 2]
 
 
@@ -95,11 +65,12 @@ def test_two_failures_in_different_pipelines_and_a_hang(small_data, tmp_path):
                           small_data, "--split", "100,0,0", "--log-interval", "1"]
     ref = run_job(6, args, tmp_path, name="ref6")
     assert ref.returncode == 0, ref.stderr[-3000:]
-    rc, out, err, events = launch_n(6, args + [
+    run = run_chameleon(6, args + [
         "--chameleon", "--chameleon-inject", "kill:rank=5,iter=3,phase=forward",
-        "--chameleon-inject", "hang:rank=4,iter=6,phase=backward"], tmp_path, "two",
-        extra=["--heartbeat-timeout", "2"])
-    assert rc == 0, err[-3000:]
+        "--chameleon-inject", "hang:rank=4,iter=6,phase=backward"], tmp_path, name="two",
+        launcher_args=["--heartbeat-timeout", "2"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = run.metrics
     iters = [e for e in events if e["event"] == "iteration"]
     assert [e["iteration"] for e in iters] == list(range(1, 9))
     assert_close([e["loss"] for e in iters], ref.losses())

@@ -20,20 +20,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.training.builtin_data import ensure_builtin_dataset  # noqa: E402
-from tests.e2e.test_reroute_recovery import launch_n  # noqa: E402
-from tests.launch import SMALL_MODEL  # noqa: E402
+from tests.launch import SMALL_MODEL, run_chameleon  # noqa: E402
 
 
 def one_run(dp: int, iters: int, kill_at: int, data: str, tmp: Path, name: str) -> dict:
     world = 2 * dp
-    rc, _, err, events = launch_n(world, SMALL_MODEL + [
+    run = run_chameleon(world, SMALL_MODEL + [
         "--pipeline-model-parallel-size", "2", "--global-batch-size", str(8 * dp),
         "--train-iters", str(iters), "--data-path", data, "--split", "100,0,0",
         "--log-interval", str(iters), "--chameleon",
-        "--chameleon-inject", f"kill:rank={world - 1},iter={kill_at},phase=backward"], tmp, name,
-        timeout=600)
-    if rc != 0:
-        raise SystemExit(f"run {name} failed:\n{err[-2000:]}")
+        "--chameleon-inject", f"kill:rank={world - 1},iter={kill_at},phase=backward"], tmp,
+        name=name, timeout=600)
+    if run.returncode != 0:
+        raise SystemExit(f"run {name} failed:\n{run.stderr[-2000:]}")
+    events = run.metrics
     its = [e for e in events if e["event"] == "iteration"]
     fail = next(e for e in events if e["event"] == "failure")
     rec = next(e for e in events if e["event"] == "recovery")
