@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from chameleon_ext.plan import ExecutionPlan, Stage
+from chameleon_ext.plan import ExecutionPlan
 
 
 def reroute(plan: ExecutionPlan, failed: set[int] | list[int]) -> ExecutionPlan | None:
@@ -48,6 +48,3 @@ def reroute(plan: ExecutionPlan, failed: set[int] | list[int]) -> ExecutionPlan 
     new.validate()
     return new
 
-
-def lost_stages(plan: ExecutionPlan) -> list[Stage]:
-    return [st for p in plan.pipelines for st in p.stages if not st.ranks]
