@@ -7,6 +7,12 @@ Communication semantics, shared by executor and simulator: a send never blocks t
 posted and completes in the background); a receive blocks until the matching send from `peer` for
 the same micro-batch and direction has been posted. Each (micro-batch, direction) pair is its own
 message tag, so several messages between two ranks in one step can never be confused.
+
+A backward is either one BWD op or split in two: BWD_INPUT (the gradient of the stage's input,
+which the previous stage waits for) and, later on the same rank, BWD_WEIGHT (the gradients of the
+linear layers' weights, which nobody waits for until the gradient reduction). Deferring the weight
+halves into bubbles is how rerouted work is absorbed with the least idle time (ReCycle, and
+zero-bubble pipeline parallelism before it).
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ class OpKind(str, Enum):
     SEND_FWD = "send_fwd"          # send the output activation of `microbatch` to `peer`
     RECV_BWD = "recv_bwd"          # receive the gradient of this rank's output from `peer`
     BWD = "bwd"                    # backward of `microbatch` (input and weight gradients)
+    BWD_INPUT = "bwd_input"        # the input-gradient half of a split backward of `microbatch`
+    BWD_WEIGHT = "bwd_weight"      # its weight-gradient half, deferred (zero-bubble style)
     SEND_BWD = "send_bwd"          # send the gradient of this rank's input to `peer`
     REDUCE_GRADS = "reduce_grads"  # sum gradients over this rank's replicas (collective)
     OPT_STEP = "optimizer_step"    # clip, step, zero gradients
 
 
 SENDS = (OpKind.SEND_FWD, OpKind.SEND_BWD)
+COMPUTE = (OpKind.FWD, OpKind.BWD, OpKind.BWD_INPUT, OpKind.BWD_WEIGHT, OpKind.OPT_STEP)
 RECVS = (OpKind.RECV_FWD, OpKind.RECV_BWD)
 MATCHING_SEND = {OpKind.RECV_FWD: OpKind.SEND_FWD, OpKind.RECV_BWD: OpKind.SEND_BWD}
 

@@ -38,16 +38,21 @@ __all__ = ["ScheduleError", "CostModel", "UniformCosts", "SimResult", "check", "
 
 _FWD = OpKind.FWD
 _BWD = OpKind.BWD
+_BIN = OpKind.BWD_INPUT
+_BWT = OpKind.BWD_WEIGHT
 _OPT = OpKind.OPT_STEP
 _RED = OpKind.REDUCE_GRADS
 _SEND_FWD = OpKind.SEND_FWD
 _SEND_BWD = OpKind.SEND_BWD
 _RECV_FWD = OpKind.RECV_FWD
 _RECV_BWD = OpKind.RECV_BWD
+_PEERED = (_SEND_FWD, _RECV_FWD, _SEND_BWD, _RECV_BWD)
 _COUNTERPART = {_SEND_FWD: _RECV_FWD, _RECV_FWD: _SEND_FWD,
                 _SEND_BWD: _RECV_BWD, _RECV_BWD: _SEND_BWD}
-# Column of each per-micro-batch op kind in a rank's index table (see _scan).
-_COL = {_FWD: 0, _BWD: 1, _SEND_FWD: 2, _RECV_FWD: 3, _SEND_BWD: 4, _RECV_BWD: 5}
+# Column of each per-micro-batch op kind in a rank's index table (see _scan). A split
+# backward's input half stands for the backward (column 1); its weight half has its own column.
+_COL = {_FWD: 0, _BWD: 1, _BIN: 1, _SEND_FWD: 2, _RECV_FWD: 3, _SEND_BWD: 4, _RECV_BWD: 5,
+        _BWT: 6}
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -91,7 +96,7 @@ class CostModel(Protocol):
     """Durations in any time unit (the simulator only adds and compares them)."""
 
     def compute(self, rank: int, op: Op) -> float:
-        """Duration of a FWD, BWD or OPT_STEP op on `rank`."""
+        """Duration of a FWD, BWD, BWD_INPUT, BWD_WEIGHT or OPT_STEP op on `rank`."""
         ...
 
     def p2p(self, src: int, dst: int, op: Op) -> float:
@@ -107,13 +112,16 @@ class CostModel(Protocol):
 @dataclass
 class UniformCosts:
     """The same cost for every rank: `fwd` / `bwd` / `optimizer` per op, `message` per
-    point-to-point message, `reduction` per gradient reduction. Implements CostModel."""
+    point-to-point message, `reduction` per gradient reduction; a split backward costs
+    `bwd_input` + `bwd_weight` (by default half of `bwd` each). Implements CostModel."""
 
     fwd: float = 1.0
     bwd: float = 2.0
     message: float = 0.0
     reduction: float = 0.0
     optimizer: float = 0.0
+    bwd_input: float | None = None
+    bwd_weight: float | None = None
 
     def p2p(self, src: int, dst: int, op: Op) -> float:
         return self.message
@@ -127,10 +135,14 @@ class UniformCosts:
             return self.fwd
         if kind is _BWD:
             return self.bwd
+        if kind is _BIN:
+            return self.bwd / 2 if self.bwd_input is None else self.bwd_input
+        if kind is _BWT:
+            return self.bwd / 2 if self.bwd_weight is None else self.bwd_weight
         if kind is _OPT:
             return self.optimizer
-        raise ValueError(f"rank {rank}, {op}: compute() is only defined for fwd, bwd and "
-                         "optimizer_step")
+        raise ValueError(f"rank {rank}, {op}: compute() is only defined for fwd, bwd, "
+                         "bwd_input, bwd_weight and optimizer_step")
 
 
 # ---- result ------------------------------------------------------------------------------------
@@ -140,15 +152,16 @@ class SimResult:
 
     iteration_time: when the last rank finishes its last op.
     rank_finish: per rank, when it finishes its last op.
-    busy: per rank, total FWD + BWD + OPT_STEP compute time.
+    busy: per rank, total compute time (FWD, BWD and its halves, OPT_STEP).
     bubble_fraction: idle fraction of the ranks over the compute window, i.e.
         ``1 - sum over ranks of FWD+BWD time / (n_ranks * T)``, where T is the end of the last
-        FWD or BWD on any rank (0.0 when there is no FWD/BWD). Gradient reduction and the
+        FWD or BWD (or half of one) on any rank (0.0 when there is none). Gradient reduction and the
         optimizer step after the window are not counted, so for 1F1B with zero p2p costs it is
         exactly the pipeline bubble (p-1)/(m+p-1) (p stages, m micro-batches per pipeline);
         communication waits and imbalance between pipelines or stages count as idle.
-    peak_inflight: per rank, the most micro-batches whose FWD has run and whose BWD has not
-        (the activations it holds at once).
+    peak_inflight: per rank, the most micro-batches whose FWD has run and whose BWD (for a
+        split backward: BWD_WEIGHT, which still needs the layers' inputs) has not (the
+        activations it holds at once).
     timeline: per rank, (op, start, end) for each op in order; start is when the rank reached
         the op, end when it completed (sends: end == start; receives and REDUCE_GRADS include
         the wait). Empty when simulate(..., timeline=False).
@@ -232,7 +245,7 @@ def _check(plan: ExecutionPlan, schedule: Schedule) -> None:
     opt_at: dict[int, int] = {}
     for r in ranks:
         ops = all_ops[r]
-        cols: tuple[dict[int, int], ...] = ({}, {}, {}, {}, {}, {})
+        cols: tuple[dict[int, int], ...] = ({}, {}, {}, {}, {}, {}, {})
         red = opt = -1
         for i, op in enumerate(ops):
             if not isinstance(op, Op) or not isinstance(op.kind, OpKind):
@@ -255,7 +268,7 @@ def _check(plan: ExecutionPlan, schedule: Schedule) -> None:
             if mb in col:
                 _fail(r, i, op, f"duplicates op {col[mb]} {ops[col[mb]]} on this rank")
             col[mb] = i
-            if kind is not _FWD and kind is not _BWD:
+            if kind in _PEERED:
                 peer = op.peer
                 if peer == r:
                     _fail(r, i, op, "its peer is the rank itself")
@@ -309,7 +322,7 @@ def _check(plan: ExecutionPlan, schedule: Schedule) -> None:
     for r in ranks:
         ops = all_ops[r]
         _, _, _, ls, le = places[r]
-        fwd, bwd, sf, rf, sb, rb = tables[r]
+        fwd, bwd, sf, rf, sb, rb, wgt = tables[r]
         first, last = ls == 0, le == num_layers
         for mb, i in fwd.items():
             j = bwd.get(mb)
@@ -330,6 +343,16 @@ def _check(plan: ExecutionPlan, schedule: Schedule) -> None:
         for mb, j in bwd.items():
             if mb not in fwd:
                 _fail(r, j, ops[j], f"has no fwd(mb={mb}) before it on this rank")
+            k = wgt.get(mb)
+            if ops[j].kind is _BIN and k is None:
+                _fail(r, j, ops[j], f"has no bwd_weight(mb={mb}) after it on this rank: the "
+                                    "weight gradients of a split backward would be lost")
+        for mb, k in wgt.items():
+            j = bwd.get(mb)
+            if j is None or ops[j].kind is not _BIN:
+                _fail(r, k, ops[k], f"needs a bwd_input(mb={mb}) before it on this rank")
+            if k < j:
+                _fail(r, k, ops[k], f"runs before bwd_input(mb={mb}) (op {j})")
         for col, uses, what in ((rf, fwd, "fwd"), (sf, fwd, "fwd"), (rb, bwd, "bwd"),
                                 (sb, bwd, "bwd")):
             for mb, k in col.items():
@@ -381,9 +404,9 @@ def _check(plan: ExecutionPlan, schedule: Schedule) -> None:
         red = reduce_at[r]
         if red < 0:
             _fail(r, None, Op(_RED), "every rank reduces its gradients once, after its last bwd")
-        bwd = tables[r][1]
-        if bwd:
-            last_bwd = max(bwd.values())
+        backwards = [*tables[r][1].values(), *tables[r][6].values()]
+        if backwards:
+            last_bwd = max(backwards)
             if last_bwd > red:
                 _fail(r, red, ops[red], f"comes before op {last_bwd} {ops[last_bwd]}: gradients "
                                         "are reduced after the last bwd")
@@ -475,7 +498,7 @@ def _simulate(plan: ExecutionPlan, schedule: Schedule, costs: CostModel,
         while i < n:
             op = ops[i]
             kind = op.kind
-            if kind is _FWD or kind is _BWD or kind is _OPT:
+            if kind is _FWD or kind is _BWD or kind is _BIN or kind is _BWT or kind is _OPT:
                 d = compute(r, op)
                 end = now + d
                 if timeline:
@@ -489,7 +512,7 @@ def _simulate(plan: ExecutionPlan, schedule: Schedule, costs: CostModel,
                         fl += 1
                         if fl > pk:
                             pk = fl
-                    else:
+                    elif kind is not _BIN:
                         fl -= 1
                 now = end
             elif kind is _SEND_FWD or kind is _SEND_BWD:

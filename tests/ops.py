@@ -11,6 +11,14 @@ def B(mb):
     return Op(K.BWD, mb)
 
 
+def BI(mb):
+    return Op(K.BWD_INPUT, mb)
+
+
+def BW(mb):
+    return Op(K.BWD_WEIGHT, mb)
+
+
 def SF(mb, peer):
     return Op(K.SEND_FWD, mb, peer)
 

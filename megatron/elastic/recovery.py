@@ -24,7 +24,8 @@ from chameleon_ext.schedule_ir import Op, OpKind
 from chameleon_ext.strategies.reroute import reroute
 from megatron.elastic import parallel_state
 
-PHASE_OF = {OpKind.FWD: "forward", OpKind.BWD: "backward", OpKind.REDUCE_GRADS: "grad-reduce",
+PHASE_OF = {OpKind.FWD: "forward", OpKind.BWD: "backward", OpKind.BWD_INPUT: "backward",
+            OpKind.BWD_WEIGHT: "backward", OpKind.REDUCE_GRADS: "grad-reduce",
             OpKind.OPT_STEP: "optimizer"}
 
 

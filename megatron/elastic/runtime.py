@@ -17,9 +17,9 @@ from megatron.core.transformer import TransformerConfig
 
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.list_scheduler import list_schedule
-from chameleon_ext.schedule_ir import Schedule, forward_only, one_f_one_b
+from chameleon_ext.schedule_ir import OpKind, Schedule, forward_only, one_f_one_b
 from chameleon_ext.simulator import UniformCosts, simulate
-from megatron.elastic import parallel_state, stage_model, state_transfer
+from megatron.elastic import parallel_state, stage_model, state_transfer, wgrad
 from megatron.elastic.schedules import Executor, StageRuntime
 
 # model_provider(config, pre_process, post_process) -> megatron-core GPTModel
@@ -47,6 +47,17 @@ class Built:
     groups: parallel_state.RankGroups
 
 
+def choose_schedule(plan: ExecutionPlan) -> Schedule:
+    """1F1B where it applies; otherwise the list schedule, with backwards split where the
+    simulator says that is faster. Every schedule is checked before it runs."""
+    if not plan.rerouted:
+        schedule = one_f_one_b(plan)
+        simulate(plan, schedule, UniformCosts())
+        return schedule
+    candidates = [list_schedule(plan, UniformCosts(), split_backward=s) for s in (False, True)]
+    return min(candidates, key=lambda c: simulate(plan, c, UniformCosts()).iteration_time)
+
+
 def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
           model_provider: ModelProvider, optimizer_config: OptimizerConfig,
           sched: SchedulerSettings, seed: int, tied_embeddings: bool,
@@ -55,8 +66,8 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
           carried: state_transfer.CarriedState | None = None) -> Built:
     """`carried`: this rank's parameters, optimizer state and LR schedule under the plan
     before (after a failure), restored into the new runtime."""
-    schedule = list_schedule(plan, UniformCosts()) if plan.rerouted else one_f_one_b(plan)
-    simulate(plan, schedule, UniformCosts())  # every schedule is checked before it runs
+    schedule = choose_schedule(plan)
+    split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
     groups = parallel_state.initialize(plan, rank, timeout)
     stage = plan.stage_of(rank)
     pos = plan.position(rank)
@@ -81,6 +92,7 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
+    store = wgrad.install(module) if split else None
     model = DistributedDataParallel(cfg, ddp_config, module)
     optimizer = get_megatron_optimizer(optimizer_config, [model])
     gbs = plan.global_batch_size
@@ -98,7 +110,7 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         activation_dtype=config.params_dtype,
         embedding_group=groups.embd if tied is not None else None, tied_weight=tied,
         embedding_contributor=groups.embedding_contributor,
-        before_forward=seeder.at if seeder else None, timers=timers)
+        before_forward=seeder.at if seeder else None, timers=timers, wgrad=store)
     if carried is not None:
         state_transfer.restore(carried, rt, tied_embeddings)
     if executor == "megatron-core":

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import Op, OpKind
+from megatron.elastic.wgrad import WeightGradStore
 
 # forward_step(batch, model) -> output; loss_func(batch, output) -> token-mean loss (scalar)
 ForwardStep = Callable[[dict | None, torch.nn.Module], torch.Tensor]
@@ -30,6 +31,7 @@ LossFunc = Callable[[dict, torch.Tensor], torch.Tensor]
 _TIMER_OF = {
     OpKind.RECV_FWD: "forward-recv", OpKind.FWD: "forward-compute", OpKind.SEND_FWD: "forward-send",
     OpKind.RECV_BWD: "backward-recv", OpKind.BWD: "backward-compute",
+    OpKind.BWD_INPUT: "backward-input", OpKind.BWD_WEIGHT: "backward-weight",
     OpKind.SEND_BWD: "backward-send", OpKind.REDUCE_GRADS: "grads-all-reduce",
     OpKind.OPT_STEP: "optimizer",
 }
@@ -62,6 +64,7 @@ class StageRuntime:
     embedding_contributor: bool = True  # adds its tied-embedding gradient in its group
     before_forward: Callable[[int, int], None] | None = None  # (iteration, mb): dropout seeding
     before_op: Callable[[Op, int], None] | None = None  # (op, iteration): failure injection
+    wgrad: WeightGradStore | None = None  # set when the schedule splits backwards
     timers: object | None = None
     first: bool = field(init=False)
     last: bool = field(init=False)
@@ -110,7 +113,8 @@ class Executor:
         return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok))
 
     def _check_finished(self) -> None:
-        if self._inputs or self._outputs or self._out_grads or self._in_grads:
+        if (self._inputs or self._outputs or self._out_grads or self._in_grads
+                or (self.rt.wgrad and self.rt.wgrad.pending)):
             raise RuntimeError(f"rank {self.rt.rank}: micro-batches left unfinished by the "
                                f"schedule: {sorted(set(self._inputs) | set(self._outputs))}")
 
@@ -150,6 +154,8 @@ class Executor:
         for buf in (self._inputs, self._outputs, self._out_grads, self._in_grads):
             buf.clear()
         self._pending.clear()
+        if self.rt.wgrad:
+            self.rt.wgrad.clear()
 
     def evaluate(self, ops: list[Op], get_batch: Callable[[int, int], dict],
                  iterations) -> float:
@@ -229,6 +235,16 @@ class Executor:
         if inp is not None and not self.rt.first:
             self._in_grads[mb] = inp.grad
 
+    def _bwd_input(self, op: Op, iteration: int) -> None:
+        self.rt.wgrad.deferring = op.microbatch
+        try:
+            self._bwd(op, iteration)
+        finally:
+            self.rt.wgrad.deferring = None
+
+    def _bwd_weight(self, op: Op, iteration: int) -> None:
+        self.rt.wgrad.compute(op.microbatch)
+
     def _send_bwd(self, op: Op, iteration: int) -> None:
         self._send(self._in_grads.pop(op.microbatch), op)
 
@@ -253,6 +269,7 @@ class Executor:
     _DISPATCH = {
         OpKind.RECV_FWD: _recv_fwd, OpKind.FWD: _fwd, OpKind.SEND_FWD: _send_fwd,
         OpKind.RECV_BWD: _recv_bwd, OpKind.BWD: _bwd, OpKind.SEND_BWD: _send_bwd,
+        OpKind.BWD_INPUT: _bwd_input, OpKind.BWD_WEIGHT: _bwd_weight,
         OpKind.REDUCE_GRADS: _reduce_grads,
     }
 

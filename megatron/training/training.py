@@ -326,7 +326,8 @@ def _report_recovery(metrics, bar, out, it, plan, error: str, times) -> None:
 
 
 _OP_TIMERS = ("forward-recv", "forward-compute", "forward-send", "backward-recv",
-              "backward-compute", "backward-send", "grads-all-reduce", "optimizer")
+              "backward-compute", "backward-input", "backward-weight", "backward-send",
+              "grads-all-reduce", "optimizer")
 
 
 def _has(module: str) -> bool:

@@ -83,3 +83,21 @@ def test_hand_written_uneven_plan_matches_single_process(single, small_data, tmp
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 pipeline(s) x 2 stage(s)" in run.stdout
     assert_close(run.losses(), single.losses())
+
+
+def test_rerouted_plan_with_split_backward_matches_single_process(single, small_data, tmp_path):
+    """Pipeline 2 x data 2 after losing rank 3: rank 1 hosts stage 1 of both pipelines. The
+    schedule splits backwards (weight halves deferred into bubbles); the numbers stay those of
+    one process."""
+    from chameleon_ext.plan import ExecutionPlan
+    from chameleon_ext.strategies.reroute import reroute
+    from megatron.elastic.runtime import choose_schedule
+
+    plan = reroute(ExecutionPlan.failure_free(4, 1, 2, 4, 2, 16), {3})
+    kinds = {op.kind.value for ops in choose_schedule(plan).ops.values() for op in ops}
+    assert {"bwd_input", "bwd_weight"} <= kinds
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    run = run_job(3, common(small_data) + ["--chameleon-plan", str(path)], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(run.losses(), single.losses())

@@ -85,3 +85,23 @@ def test_host_ops_name_the_failed_pipelines_neighbours():
     ops = list_schedule(new, COSTS).ops
     host_recvs = {(o.microbatch, o.peer) for o in ops[2] if o.kind is OpKind.RECV_FWD}
     assert host_recvs == {(mb, 0) for mb in range(4)} | {(mb, 1) for mb in range(4, 8)}
+
+
+@pytest.mark.parametrize("world, pp, gbs, failed", [(4, 2, 8, 3), (8, 4, 16, 2), (8, 2, 16, 1),
+                                                    (16, 4, 32, 5)])
+def test_split_backward_fills_bubbles_with_weight_halves(world, pp, gbs, failed):
+    """Deferring weight-gradient halves shortens the rerouted iteration without holding more
+    micro-batches than 1F1B would."""
+    plan = reroute(ExecutionPlan.failure_free(world, 1, pp, 4, 1, gbs), {failed})
+    costs = UniformCosts(fwd=1.0, bwd=2.0)
+    whole = simulate(plan, list_schedule(plan, costs), costs)
+    split = simulate(plan, list_schedule(plan, costs, split_backward=True), costs)
+    assert split.iteration_time < whole.iteration_time
+    assert max(split.peak_inflight.values()) <= pp
+
+
+def test_split_backward_on_homogeneous_plan_is_no_slower_than_1f1b():
+    plan = ExecutionPlan.failure_free(8, 1, 4, 4, 1, 16)
+    costs = UniformCosts()
+    split = simulate(plan, list_schedule(plan, costs, split_backward=True), costs)
+    assert split.iteration_time <= simulate(plan, one_f_one_b(plan), costs).iteration_time

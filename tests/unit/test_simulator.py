@@ -11,7 +11,7 @@ from chameleon_ext.schedule_ir import Op, OpKind, Schedule, one_f_one_b
 from chameleon_ext.simulator import (CostModel, ScheduleError, SimResult, UniformCosts, check,
                                      simulate)
 
-from tests.ops import END, OPT, RED, B, F, RB, RF, SB, SF
+from tests.ops import END, OPT, RED, B, BI, BW, F, RB, RF, SB, SF
 
 K = OpKind
 
@@ -497,7 +497,7 @@ def test_uniform_costs_fields_and_protocol():
     c.message = 0.75
     assert c.p2p(0, 1, SF(0, 1)) == 0.75
     assert c == UniformCosts(fwd=1.5, message=0.75, reduction=2.0)
-    with pytest.raises(ValueError, match="only defined for fwd, bwd and optimizer_step"):
+    with pytest.raises(ValueError, match="only defined for fwd, bwd, bwd_input, bwd_weight and optimizer_step"):
         c.compute(3, SF(0, 1))
 
 
@@ -519,3 +519,49 @@ def test_garbage_collector_state_is_restored_even_on_error():
         assert not gc.isenabled()  # a caller's choice to keep it off is kept too
     finally:
         gc.enable()
+
+
+# ---- split backward ----------------------------------------------------------------------------
+def two_stage_plan() -> ExecutionPlan:
+    return ExecutionPlan.failure_free(2, 1, 2, num_layers=2, micro_batch_size=1,
+                                      global_batch_size=2)
+
+
+def test_split_backward_frees_the_previous_stage_earlier_by_hand():
+    # fwd 1, bwd_input 1, bwd_weight 1. Rank 1 sends mb 0's input gradient after its input half
+    # (t=3) and runs the weight half later, so rank 0 starts bwd(0) at 3 instead of 4.
+    plan = two_stage_plan()
+    ops = {
+        0: [F(0), SF(0, 1), F(1), SF(1, 1), RB(0, 1), B(0), RB(1, 1), B(1)] + END,
+        1: [RF(0, 0), F(0), BI(0), SB(0, 0), RF(1, 0), F(1), BI(1), SB(1, 0), BW(0), BW(1)]
+           + END,
+    }
+    res = simulate(plan, Schedule(ops), UniformCosts())
+    ends = {str(op): end for op, _, end in res.timeline[0]}
+    assert ends["bwd(mb=0)"] == 5.0   # starts at 3
+    assert ends["bwd(mb=1)"] == 7.0   # rank 1: f(1) 3-4, bwd_input(1) 4-5, sent at 5
+    assert res.rank_finish[1] == 7.0  # then both weight halves, 5-7
+    assert res.iteration_time == 7.0
+    assert res.busy[1] == 6.0 and res.peak_inflight[1] == 2
+
+
+def test_split_backward_without_weight_half_is_rejected():
+    plan = two_stage_plan()
+    ops = {0: [F(0), SF(0, 1), F(1), SF(1, 1), RB(0, 1), B(0), RB(1, 1), B(1)] + END,
+           1: [RF(0, 0), F(0), BI(0), SB(0, 0), RF(1, 0), F(1), B(1), SB(1, 0)] + END}
+    err = rejected(plan, ops)
+    assert err.rank == 1 and "no bwd_weight(mb=0) after it" in str(err)
+
+
+def test_weight_half_before_input_half_or_after_reduction_is_rejected():
+    plan = two_stage_plan()
+    head = [F(0), SF(0, 1), F(1), SF(1, 1), RB(0, 1), B(0), RB(1, 1), B(1)] + END
+    early = {0: head, 1: [RF(0, 0), F(0), BW(0), BI(0), SB(0, 0), RF(1, 0), F(1), B(1),
+                          SB(1, 0)] + END}
+    assert "runs before bwd_input(mb=0)" in str(rejected(plan, early))
+    late = {0: head, 1: [RF(0, 0), F(0), BI(0), SB(0, 0), RF(1, 0), F(1), B(1), SB(1, 0), RED,
+                         BW(0), OPT]}
+    assert "gradients are reduced after the last bwd" in str(rejected(plan, late))
+    alone = {0: head, 1: [RF(0, 0), F(0), B(0), SB(0, 0), RF(1, 0), F(1), B(1), SB(1, 0), BW(1)]
+             + END}
+    assert "needs a bwd_input(mb=1) before it" in str(rejected(plan, alone))
