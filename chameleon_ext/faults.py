@@ -32,7 +32,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "grad-reduce", "optimizer", "between-iterations")
+# "recovery": after the survivors agreed on a new generation, before its world is built.
+PHASES = ("forward", "backward", "grad-reduce", "optimizer", "between-iterations", "recovery")
 KINDS = ("kill", "exit", "hang", "slow")
 DEFAULT_PHASE = "between-iterations"
 INJECT_ENV = "CHAMELEON_INJECT"

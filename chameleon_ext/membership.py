@@ -494,6 +494,32 @@ class Membership:
             time.sleep(sleep)
             sleep = min(sleep * 1.5, 0.05)
 
+    def ready(self, generation: int, ranks: list[int], timeout_s: float = 60.0,
+              poll_s: float = 0.005) -> list[int]:
+        """Barrier of `ranks` on the store before they build the world of `generation`: returns
+        [] once all are ready, or the ranks among them that failed, exited or went stale while
+        waiting (a failure during reconfiguration; the caller agrees again, one generation up).
+        A process-group rendezvous would instead wait for a dead member until its timeout."""
+        me = self._require_rank("ready")
+        ns = gen_prefix(generation)
+        self.store.set(f"{ns}/ready/{me}", "1")
+        others = [r for r in ranks if r != me]
+        deadline = time.monotonic() + timeout_s
+        sleep = poll_s
+        while True:
+            waiting = [r for r in others if not self.store.check([f"{ns}/ready/{r}"])]
+            if not waiting:
+                return []
+            fails, exits = self.failures(), set(self.exited())
+            gone = sorted({r for r in waiting if r in fails or r in exits}
+                          | set(self.stale_ranks(waiting)))
+            if gone:
+                return gone
+            if time.monotonic() > deadline:
+                raise AgreementTimeout(generation, timeout_s, waiting, [me], [])
+            time.sleep(sleep)
+            sleep = min(sleep * 1.5, 0.05)
+
     def agreement(self, generation: int) -> Agreement | None:
         """The published agreement of `generation`, if any (no waiting)."""
         key = f"{gen_prefix(generation)}/final"

@@ -10,7 +10,9 @@ has stepped its optimizer (the world loss sum before the step is the commit poin
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from chameleon_ext.faults import Injector
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import Op, OpKind
 from chameleon_ext.strategies.reroute import reroute
+from chameleon_ext.strategies.restart import restart_plan
 from megatron.elastic import parallel_state
 
 PHASE_OF = {OpKind.FWD: "forward", OpKind.BWD: "backward", OpKind.BWD_INPUT: "backward",
@@ -33,10 +36,15 @@ class Unrecoverable(RuntimeError):
     """No plan over the survivors can continue in-process; the message says why."""
 
 
+class NotNeeded(RuntimeError):
+    """The new plan has no place for this rank (a restart plan smaller than the survivors)."""
+
+
 @dataclass
 class Outcome:
     plan: ExecutionPlan
     rank: int
+    strategy: str                   # "reroute" (state carried over) or "restart" (checkpoint)
     failed: list[int]               # launch ranks lost in this event
     causes: dict[int, str]
     detect_ms: float | None         # failure record (agent) -> this rank noticed
@@ -47,6 +55,7 @@ class Outcome:
 @dataclass
 class Recovery:
     backend: str
+    strategy: str = "reroute"       # --chameleon-strategy: reroute (restart where it cannot)
     agree_timeout_s: float = 60.0
     injector: Injector = field(default_factory=lambda: Injector([], 0))
 
@@ -72,7 +81,10 @@ class Recovery:
         failed = self.members.failures()
         return {i for i, r in enumerate(self.alive) if r in failed}
 
-    def recover(self, plan: ExecutionPlan) -> Outcome:
+    def recover(self, plan: ExecutionPlan, iteration: int) -> Outcome:
+        """Agree, choose and rebuild after a failure during `iteration` (1-based). A survivor
+        lost meanwhile (before the new world exists) starts the agreement over, one generation
+        up, with the failures counted from `plan`."""
         noticed = time.time()
         parallel_state.destroy()
         if dist.is_initialized():
@@ -80,27 +92,59 @@ class Recovery:
         # Destroyed groups sit in reference cycles; only their collection closes the sockets,
         # which is what makes peers still blocked on us fail now instead of at their timeout.
         gc.collect()
-        ag = self.members.agree(self.generation + 1, self.alive, self.agree_timeout_s)
-        failed = [r for r in self.alive if r not in ag.alive]
-        if ag.leader == self.launch_rank:
-            lost = {self.alive.index(r) for r in failed}
-            new = reroute(plan, lost)
-            ok = new is not None and new.world_size == len(ag.alive)
-            self.members.publish(ag.generation, "plan", new.to_json() if ok else "none")
-        text = self.members.read(ag.generation, "plan", publisher=ag.leader).decode()
-        if text == "none":
-            raise Unrecoverable(
-                f"lost launch rank(s) {failed}: rerouting cannot absorb it (no surviving replica "
-                "of some stage, or idle tensor-parallel siblings), and restart from a "
-                "checkpoint is not built yet")
-        new_plan = ExecutionPlan.from_json(text)
+        candidates, generation = self.alive, self.generation + 1
+        causes: dict[int, str] = {}
+        while True:
+            ag = self.members.agree(generation, candidates, self.agree_timeout_s)
+            causes.update(ag.causes)
+            failed = [r for r in self.alive if r not in ag.alive]
+            if ag.leader == self.launch_rank:
+                lost = {self.alive.index(r) for r in failed}
+                self.members.publish(ag.generation, "plan",
+                                     self._choose(plan, lost, len(ag.alive)))
+            try:
+                text = self.members.read(ag.generation, "plan", publisher=ag.leader).decode()
+            except membership.PublishTimeout:
+                candidates = [r for r in ag.alive if r != ag.leader]
+                generation = ag.generation + 1
+                continue
+            if text == "none":
+                raise Unrecoverable(f"lost launch rank(s) {failed}: no plan fits the "
+                                    f"{len(ag.alive)} survivor(s), not even one pipeline")
+            choice = json.loads(text)
+            new_plan = ExecutionPlan.from_dict(choice["plan"])
+            if new_plan.world_size < len(ag.alive):
+                ag = dataclasses.replace(ag, alive=ag.alive[:new_plan.world_size])
+                if self.launch_rank not in ag.alive:
+                    raise NotNeeded(f"the {choice['strategy']} plan uses {new_plan.world_size} "
+                                    f"of the survivors; launch rank {self.launch_rank} is not "
+                                    "among them")
+            self.injector.maybe_fire(iteration, "recovery")
+            gone = self.members.ready(ag.generation, ag.alive, self.agree_timeout_s)
+            if not gone:
+                break
+            candidates = [r for r in ag.alive if r not in gone]
+            generation = ag.generation + 1
         rank = membership.rebuild_world(self.store, ag, self.launch_rank, self.backend)
+        new_plan.generation = ag.generation  # one generation count: the membership's
         records = self.members.failures()
         detect = [noticed - records[r].time for r in failed if r in records]
         old_generation, self.generation, self.alive = self.generation, ag.generation, ag.alive
-        return Outcome(new_plan, rank, failed, {r: ag.causes.get(r, "failed") for r in failed},
+        return Outcome(new_plan, rank, choice["strategy"], failed,
+                       {r: causes.get(r, "failed") for r in failed},
                        1e3 * max(detect) if detect else None, 1e3 * (time.time() - noticed),
                        old_generation)
+
+    def _choose(self, plan: ExecutionPlan, lost: set[int], survivors: int) -> str:
+        """The leader's decision, as published: reroute where it absorbs the failure in every
+        rank (tensor-parallel siblings of a lost shard have no place in it), else restart."""
+        new = reroute(plan, lost) if self.strategy == "reroute" else None
+        if new is not None and new.world_size == survivors:
+            return json.dumps({"strategy": "reroute", "plan": new.to_dict()})
+        new = restart_plan(plan, survivors)
+        if new is None:
+            return "none"
+        return json.dumps({"strategy": "restart", "plan": new.to_dict()})
 
     def stop(self) -> None:
         self.members.stop()

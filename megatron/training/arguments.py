@@ -111,8 +111,11 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="JSON-lines events (iteration, failure, recovery)")
     g.add_argument("--chameleon-plan", default=None,
                    help="run this execution plan (JSON) instead of the homogeneous one")
-    g.add_argument("--chameleon-strategy", choices=("reroute",), default="reroute",
-                   help="recovery strategy (with --chameleon)")
+    g.add_argument("--chameleon-strategy", choices=("reroute", "restart"), default="reroute",
+                   help="recovery strategy (with --chameleon): reroute (ReCycle-style data "
+                        "rerouting; restart where it cannot absorb a failure) or restart (reload "
+                        "the latest checkpoint of --save, else --load, onto a plan over the "
+                        "survivors; from the initial weights when there is none)")
     g.add_argument("--chameleon-inject", action="append", default=[], metavar="SPEC",
                    help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward (repeatable; "
                         "kinds kill, exit, hang, slow; phases forward, backward, grad-reduce, "

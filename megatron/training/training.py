@@ -18,7 +18,7 @@ from chameleon_ext.plan import ExecutionPlan, PlanError
 from chameleon_ext import membership
 from chameleon_ext.faults import FaultSpecError, Injector, parse_injects
 from megatron.elastic import cpu_compat, runtime, state_transfer
-from megatron.elastic.recovery import Recovery, Unrecoverable
+from megatron.elastic.recovery import NotNeeded, Recovery, Unrecoverable
 from megatron.training import checkpointing
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.data import DataError, MicroBatchLoader, build_gpt_datasets
@@ -126,7 +126,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
 
     rank, world = initialize_distributed(args)
     cpu_compat.apply()
-    recovery = Recovery(args.distributed_backend, injector=injector) if args.chameleon else None
+    recovery = (Recovery(args.distributed_backend, strategy=args.chameleon_strategy,
+                         injector=injector) if args.chameleon else None)
     try:
         train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, tokenizer)
     except DataError as e:
@@ -211,16 +212,32 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             del built
             gc.collect()
             try:
-                out = recovery.recover(plan)
+                out = recovery.recover(plan, it)
+            except NotNeeded as why:
+                print(f"> leaving the job at iteration {it}: {why}", flush=True)
+                metrics.close()
+                tb.close()
+                recovery.stop()
+                return {}
             except (Unrecoverable, membership.MembershipError) as why:
                 _fail(f"cannot recover in-process at iteration {it}: {why}")
             plan, rank = out.plan, out.rank
-            built = build(plan, rank, carried=carried)
-            del carried
-            strategy = "reroute"
+            if out.strategy == "restart":
+                del carried  # a checkpoint, not this rank's state, is the truth now
+                built = build(plan, rank)
+                resume = _load_for_restart(args, built.runtime, tied, model_meta)
+            else:
+                built = build(plan, rank, carried=carried)
+                del carried
+                resume = it - 1
+            strategy = out.strategy
             events.append((len(times), plan.generation))
             if rank == 0:
-                _report_recovery(metrics, bar, out, it, plan, error, times)
+                _report_recovery(metrics, bar, out, it, plan, error, times, resume)
+            if bar:
+                bar.n = resume
+                bar.refresh()
+            it = resume + 1
             watch.lap_ms()
             continue
         ms = watch.lap_ms()
@@ -297,28 +314,48 @@ def _check_replicas(rt, tied: bool, rank: int, metrics: MetricsFile, bar) -> Non
                    + ("all copies bit-identical" if not differ else f"{len(differ)} DIFFER: {differ[:3]}"))
 
 
-def _report_recovery(metrics, bar, out, it, plan, error: str, times) -> None:
+def _load_for_restart(args, rt, tied: bool, model_meta: dict) -> int:
+    """Load the latest checkpoint (of --save, else --load) into the restarted runtime; returns
+    its iteration, 0 when there is none (the initial weights are a function of the seed)."""
+    root = args.save or args.load
+    meta = None
+    if root:
+        try:
+            meta = checkpointing.load(root, rt, tied_embeddings=tied, expect=model_meta)
+        except checkpointing.CheckpointError as e:
+            _fail(f"cannot restart from a checkpoint: {e}")
+    return meta["iteration"] if meta else 0
+
+
+def _report_recovery(metrics, bar, out, it, plan, error: str, times, resume: int) -> None:
     cause = ", ".join(f"rank {r}: {c}" for r, c in out.causes.items())
     before = sorted(times[-10:])[len(times[-10:]) // 2] if times else None
     metrics.write("failure", generation=out.old_generation, ranks=out.failed,
                   cause=",".join(sorted(set(out.causes.values()))),
                   detect_ms=None if out.detect_ms is None else round(max(out.detect_ms, 0.0), 1))
-    metrics.write("recovery", generation=plan.generation, strategy="reroute",
-                  candidates=[{"strategy": "reroute", "predicted_iter_ms": None,
+    lost = it - resume
+    metrics.write("recovery", generation=plan.generation, strategy=out.strategy,
+                  candidates=[{"strategy": out.strategy, "predicted_iter_ms": None,
                                "transition_ms": round(out.reconfigure_ms, 1)}],
-                  reconfigure_ms=round(out.reconfigure_ms, 1), lost_iterations=1,
-                  world=plan.world_size)
-    moved = [f"micro-batch(es) of pipeline {pi} stage {si} now on rank(s) "
-             f"{sorted({r for rs in st.hosts.values() for r in rs})}"
-             for pi, p in enumerate(plan.pipelines) for si, st in enumerate(p.stages)
-             if not st.ranks]
+                  reconfigure_ms=round(out.reconfigure_ms, 1), lost_iterations=lost,
+                  resume_iteration=resume + 1, world=plan.world_size)
+    if out.strategy == "restart":
+        what = (f"checkpoint of iteration {resume}" if resume else "no checkpoint: the initial "
+                "weights") + (f" loaded onto pipeline {len(plan.pipelines[0].stages)} x data "
+                              f"{len(plan.pipelines)}")
+    else:
+        what = "; ".join(f"micro-batch(es) of pipeline {pi} stage {si} now on rank(s) "
+                         f"{sorted({r for rs in st.hosts.values() for r in rs})}"
+                         for pi, p in enumerate(plan.pipelines) for si, st in enumerate(p.stages)
+                         if not st.ranks)
     detect = "" if out.detect_ms is None else f", detected {max(out.detect_ms, 0.0):.0f} ms after it"
     lines = [
         f"> recovery at iteration {it}: lost launch rank(s) {out.failed} ({cause}){detect}",
         f"  ({error})",
-        f"  strategy reroute: {'; '.join(moved)}",
+        f"  strategy {out.strategy}: {what}",
         f"  new world {plan.world_size} ranks, generation {plan.generation}, reconfigured in "
-        f"{out.reconfigure_ms:.0f} ms; iteration {it} runs again from its start"
+        f"{out.reconfigure_ms:.0f} ms; training goes on from iteration {resume + 1} "
+        f"({lost} iteration(s) lost)"
         + (f" (before: {before:.1f} ms/iteration)" if before else ""),
     ]
     for line in lines:

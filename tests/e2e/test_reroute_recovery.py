@@ -1,5 +1,6 @@
 """Kill a worker mid-iteration under chameleon-launch: the survivors reroute its micro-batches
-and finish every iteration with the failure-free losses."""
+(or, where no replica survives, restart from the checkpoint on a plan that fits them) and finish
+every iteration with the failure-free losses."""
 
 import pytest
 
@@ -46,15 +47,51 @@ def test_kill_at_iteration_5_keeps_the_loss_trajectory(reference, small_data, tm
     assert failure[0]["detect_ms"] < 5000 and recovery[0]["reconfigure_ms"] < 5000
 
 
-def test_without_a_surviving_replica_the_job_stops_with_a_clear_message(small_data, tmp_path):
+def last_losses(events: list[dict]) -> list[float]:
+    """Loss per iteration, the last run of each (a restart runs some iterations again)."""
+    by_it = {e["iteration"]: e["loss"] for e in events if e["event"] == "iteration"}
+    return [by_it[i] for i in sorted(by_it)]
+
+
+def test_without_a_surviving_replica_the_job_restarts_from_its_checkpoint(small_data, tmp_path):
+    """Pipeline 4 x data 1 loses stage 2 at iteration 5: no replica to reroute to, so the three
+    survivors reload the checkpoint of iteration 3 onto pipeline 3 x data 1 and go on."""
     args = SMALL_MODEL + ["--pipeline-model-parallel-size", "4", "--global-batch-size", "8",
-                          "--train-iters", "6", "--data-path", small_data, "--split", "100,0,0",
-                          "--chameleon", "--chameleon-inject", "kill:rank=2,iter=3"]
-    run = run_chameleon(4, args, tmp_path, name="pp4")
+                          "--train-iters", "8", "--lr-decay-iters", "8", "--data-path",
+                          small_data, "--split", "100,0,0", "--log-interval", "1"]
+    ref = run_job(4, args, tmp_path, name="ref-pp4")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = run_chameleon(4, args + ["--chameleon", "--chameleon-inject", "kill:rank=2,iter=5",
+                                   "--save", str(tmp_path / "ckpt"), "--save-interval", "3"],
+                        tmp_path, name="pp4")
+    assert run.returncode == 0, run.stderr[-3000:]
     events = run.metrics
-    assert "cannot recover in-process at iteration 3" in run.stderr
-    assert "rerouting cannot absorb it" in run.stderr
-    assert [e["iteration"] for e in events if e["event"] == "iteration"] == [1, 2]
+    assert [e["iteration"] for e in events if e["event"] == "iteration"] == [1, 2, 3, 4, 4, 5, 6,
+                                                                             7, 8]
+    assert_close(last_losses(events), ref.losses())
+    recovery = [e for e in events if e["event"] == "recovery"]
+    assert [(e["strategy"], e["lost_iterations"], e["resume_iteration"], e["world"])
+            for e in recovery] == [("restart", 2, 4, 3)]
+    assert "strategy restart: checkpoint of iteration 3 loaded onto pipeline 3 x data 1" in run.stdout
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "8"
+
+
+def test_forced_restart_leaves_the_survivors_the_plan_cannot_use(small_data, tmp_path):
+    """--chameleon-strategy restart on pipeline 2 x data 2 of a 2-layer model: of 3 survivors
+    the new plan (pipeline 2 x data 1) uses 2; the third leaves the job cleanly."""
+    args = SMALL_MODEL + ["--num-layers", "2", "--pipeline-model-parallel-size", "2",
+                          "--global-batch-size", "16", "--train-iters", "6", "--lr-decay-iters",
+                          "6", "--data-path", small_data, "--split", "100,0,0"]
+    ref = run_job(4, args, tmp_path, name="ref-2l")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = run_chameleon(4, args + ["--chameleon", "--chameleon-strategy", "restart",
+                                   "--chameleon-inject", "kill:rank=3,iter=4,phase=backward"],
+                        tmp_path, name="forced")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(last_losses(run.metrics), ref.losses())
+    assert "> leaving the job at iteration 4: the restart plan uses 2 of the survivors" in run.stdout
+    assert "no checkpoint: the initial weights loaded onto pipeline 2 x data 1" in run.stdout
+    assert "worker rank 2" in run.stderr and "exited 0" in run.stderr
 
 
 def test_two_failures_in_different_pipelines_and_a_hang(small_data, tmp_path):
@@ -79,3 +116,22 @@ def test_two_failures_in_different_pipelines_and_a_hang(small_data, tmp_path):
     assert [(f["ranks"], f["cause"]) for f in fails] == [([5], "signal"), ([4], "hang")]
     assert [e["generation"] for e in events if e["event"] == "recovery"] == [1, 2]
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
+
+
+def test_a_failure_during_recovery_restarts_the_agreement(reference, small_data, tmp_path):
+    """Rank 3 is killed at iteration 4; rank 1 dies while the survivors reconfigure (after they
+    agreed, before the new world exists). The others agree again, one generation up, and
+    pipeline 0 (ranks 0 and 2) takes all of pipeline 1's micro-batches."""
+    run = run_chameleon(4, common(small_data) + [
+        "--chameleon", "--chameleon-inject", "kill:rank=3,iter=4,phase=forward",
+        "--chameleon-inject", "kill:rank=1,iter=4,phase=recovery"], tmp_path, name="during")
+    assert run.returncode == 0, run.stderr[-3000:]
+    iters = [e for e in run.metrics if e["event"] == "iteration"]
+    assert [e["iteration"] for e in iters] == list(range(1, 9))
+    assert_close([e["loss"] for e in iters], reference)
+    assert [e["world"] for e in iters] == [4] * 3 + [2] * 5
+    recovery = [e for e in run.metrics if e["event"] == "recovery"]
+    failure = [e for e in run.metrics if e["event"] == "failure"]
+    assert [(e["strategy"], e["generation"]) for e in recovery] == [("reroute", 2)]
+    assert failure[0]["ranks"] == [1, 3]
+    assert [e["identical"] for e in run.metrics if e["event"] == "replicas"] == [True]
