@@ -97,6 +97,7 @@ setup(
                                               "chameleon_ext*"]),
     install_requires=["torch==2.13.0", "megatron-core==0.16.1", "numpy", "tqdm", "tensorboard"],
     extras_require={"dev": ["pytest", "pytest-timeout"]},
-    entry_points={"console_scripts": ["chameleon-launch = chameleon_ext.launcher:main"]},
+    entry_points={"console_scripts": ["chameleon-launch = chameleon_ext.launcher:main",
+                                      "chameleon-plan = chameleon_ext.plan_cli:main"]},
     **_extension_kwargs(),
 )

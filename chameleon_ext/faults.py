@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 from dataclasses import dataclass
 
 # "recovery": after the survivors agreed on a new generation, before its world is built.
@@ -184,6 +185,7 @@ class Injector:
         self.rank = rank
         self.specs = [s for s in (specs or []) if s.rank == rank]
         self._fired: set[int] = set()
+        self.announce: Callable[[], None] | None = None  # told just before a kill, exit or hang
 
     @classmethod
     def from_env(cls, rank: int | None = None) -> "Injector":
@@ -219,5 +221,7 @@ class Injector:
             elif i not in self._fired:
                 self._fired.add(i)
                 fired.append(s)
+                if self.announce:
+                    self.announce()
                 s.fire()
         return fired

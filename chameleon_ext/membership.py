@@ -108,6 +108,10 @@ KEY_ABORT = f"{ROOT}/abort"
 KEY_GENERATION = f"{ROOT}/generation"
 
 
+def key_dying(rank: int) -> str:
+    return f"{ROOT}/dying/{rank}"
+
+
 def key_exit(rank: int) -> str:
     return f"{ROOT}/exit/{rank}"
 
@@ -428,6 +432,24 @@ class Membership:
     def exited(self) -> list[int]:
         """Ranks that exited cleanly (exit code 0)."""
         return sorted(_read_log(self.store, KEY_EXITS))
+
+    def announce_death(self) -> None:
+        """An injected fault is about to stop this rank: its exact time, to measure detection."""
+        self.store.set(key_dying(self._require_rank("announce a death")), f"{time.time():.6f}")
+
+    def death_time(self, rank: int, record: FailureRecord) -> float:
+        """When `rank` stopped: its own announcement if it made one, else the agent's record
+        less the agent's latency (an upper bound: the agent may wake late on a busy host)."""
+        if self.store.check([key_dying(rank)]):
+            return float(self.store.get(key_dying(rank)))
+        return record.time - (record.detect_ms or 0.0) / 1e3
+
+    def notice(self, generation: int, when: float | None = None) -> float:
+        """Record that this rank saw the world of `generation - 1` break; returns the first
+        survivor's notice time (the job's moment of detection: the others may still have been
+        busy with work the failure did not block)."""
+        t = f"{time.time() if when is None else when:.6f}"
+        return float(self.store.compare_set(f"{gen_prefix(generation)}/noticed", "", t))
 
     # --- agreement
 

@@ -8,6 +8,13 @@ posted and completes in the background); a receive blocks until the matching sen
 the same micro-batch and direction has been posted. Each (micro-batch, direction) pair is its own
 message tag, so several messages between two ranks in one step can never be confused.
 
+A schedule may fuse sends: a FusedMessage names several sends of one rank to one peer that travel
+as one packed message (chameleon_ext.comm). It is posted when its last member (in the sender's
+order) is reached, carries every member, and is tagged with its first member's tag; the receiver
+takes it at the first member's receive, and the later members' receives take their tensor from it.
+Rerouting sends many small tensors to few peers; fusing them saves per-message latency
+(chameleon_ext.message_fusion decides which, by simulation).
+
 A backward is either one BWD op or split in two: BWD_INPUT (the gradient of the stage's input,
 which the previous stage waits for) and, later on the same rank, BWD_WEIGHT (the gradients of the
 linear layers' weights, which nobody waits for until the gradient reduction). Deferring the weight
@@ -17,7 +24,7 @@ zero-bubble pipeline parallelism before it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from chameleon_ext.plan import ExecutionPlan
@@ -40,6 +47,7 @@ SENDS = (OpKind.SEND_FWD, OpKind.SEND_BWD)
 COMPUTE = (OpKind.FWD, OpKind.BWD, OpKind.BWD_INPUT, OpKind.BWD_WEIGHT, OpKind.OPT_STEP)
 RECVS = (OpKind.RECV_FWD, OpKind.RECV_BWD)
 MATCHING_SEND = {OpKind.RECV_FWD: OpKind.SEND_FWD, OpKind.RECV_BWD: OpKind.SEND_BWD}
+RECV_OF = {v: k for k, v in MATCHING_SEND.items()}
 
 
 @dataclass(frozen=True)
@@ -67,18 +75,50 @@ class Op:
         return cls(OpKind(d["kind"]), int(d.get("microbatch", -1)), int(d.get("peer", -1)))
 
 
-@dataclass
-class Schedule:
-    """Op lists of every rank of a plan for one iteration."""
+@dataclass(frozen=True)
+class FusedMessage:
+    """Sends of `src` to `dst` that travel as one packed message; `members` are the SEND_FWD /
+    SEND_BWD ops (peer = dst) in the sender's order."""
 
-    ops: dict[int, list[Op]]
+    src: int
+    dst: int
+    members: tuple[Op, ...]
+
+    def tag(self) -> int:
+        return self.members[0].message_tag()
 
     def to_dict(self) -> dict:
-        return {str(r): [o.to_dict() for o in ops] for r, ops in sorted(self.ops.items())}
+        return {"src": self.src, "dst": self.dst, "members": [m.to_dict() for m in self.members]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FusedMessage":
+        return cls(int(d["src"]), int(d["dst"]), tuple(Op.from_dict(m) for m in d["members"]))
+
+
+@dataclass
+class Schedule:
+    """Op lists of every rank of a plan for one iteration, and the sends fused among them."""
+
+    ops: dict[int, list[Op]]
+    fused: list[FusedMessage] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"ops": {str(r): [o.to_dict() for o in ops] for r, ops in sorted(self.ops.items())},
+                "fused": [m.to_dict() for m in self.fused]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Schedule":
-        return cls({int(r): [Op.from_dict(o) for o in ops] for r, ops in d.items()})
+        return cls({int(r): [Op.from_dict(o) for o in ops] for r, ops in d["ops"].items()},
+                   [FusedMessage.from_dict(m) for m in d.get("fused", [])])
+
+    def fused_sends(self, rank: int) -> dict[Op, FusedMessage]:
+        """This rank's fused send ops -> their message."""
+        return {op: m for m in self.fused if m.src == rank for op in m.members}
+
+    def fused_recvs(self, rank: int) -> dict[Op, FusedMessage]:
+        """This rank's receive ops of fused messages -> their message."""
+        return {Op(RECV_OF[op.kind], op.microbatch, m.src): m
+                for m in self.fused if m.dst == rank for op in m.members}
 
 
 def one_f_one_b(plan: ExecutionPlan) -> Schedule:

@@ -9,7 +9,9 @@ peer that holds the adjacent layers, and each rank reduces its gradients once an
 
 - each rank runs its ops strictly in order, with its own clock starting at 0;
 - FWD, BWD and OPT_STEP advance the clock by ``costs.compute(rank, op)``;
-- a send never blocks and costs its sender nothing: it is posted at the sender's clock;
+- a send never blocks and costs its sender nothing: it is posted at the sender's clock; the
+  members of a fused message are all posted when the sender reaches the last of them, with the
+  latency of that last one;
 - a receive completes at ``max(own clock, post time of the matching send + costs.p2p(src, dst,
   send_op))``: message latency is paid on the receive side, and only if the receiver is not late;
 - REDUCE_GRADS is a collective over ``plan.replicas(rank)``: every member must reach it, and all of
@@ -413,6 +415,27 @@ def _check(plan: ExecutionPlan, schedule: Schedule) -> None:
         if opt_at[r] < 0:
             _fail(r, None, Op(_OPT), "every rank ends its op list with one optimizer_step")
 
+    # 6. fused messages: two or more sends of one rank to one peer, each in one message only.
+    fused_at: dict[tuple[int, int], int] = {}
+    for n, msg in enumerate(schedule.fused):
+        src = msg.src
+        if src not in tables or len(msg.members) < 2:
+            _fail(src, None, None, f"fused message {n} needs a rank of the plan as its sender "
+                                   f"and at least 2 members, not {len(msg.members)}")
+        last = -1
+        for op in msg.members:
+            i = tables[src][_COL[op.kind]].get(op.microbatch) if op.kind in _COL else None
+            if op.kind not in (_SEND_FWD, _SEND_BWD) or i is None or all_ops[src][i] != op \
+                    or op.peer != msg.dst:
+                _fail(src, i, op, f"fused message {n} to rank {msg.dst} lists it, but its "
+                                  "members must be sends of this rank to that peer")
+            if (src, i) in fused_at:
+                _fail(src, i, op, f"is in fused messages {fused_at[src, i]} and {n}")
+            if i < last:
+                _fail(src, i, op, f"fused message {n} lists its members out of this rank's order")
+            fused_at[src, i] = n
+            last = i
+
 
 def _missing(plan: ExecutionPlan, places: dict, owner: dict[int, int], kind: OpKind, name: str,
              mb: int, tp: int, lo: int, hi: int) -> NoReturn:
@@ -483,6 +506,10 @@ def _simulate(plan: ExecutionPlan, schedule: Schedule, costs: CostModel,
     arrived: dict[tuple[int, ...], list[tuple[int, float]]] = {}
     fb_busy = 0.0
     fb_end = 0.0
+    members = [tuple((m.src, m.dst, op.kind is _SEND_BWD, op.microbatch) for op in m.members)
+               for m in schedule.fused]
+    message_of = {key: g for g, keys in enumerate(members) for key in keys}
+    left = [len(keys) for keys in members]
 
     ready = deque(ranks)
     while ready:
@@ -517,12 +544,19 @@ def _simulate(plan: ExecutionPlan, schedule: Schedule, costs: CostModel,
                 now = end
             elif kind is _SEND_FWD or kind is _SEND_BWD:
                 key = (r, op.peer, kind is _SEND_BWD, op.microbatch)
-                posted[key] = (now, op)
+                g = message_of.get(key)
+                if g is None:
+                    keys = (key,)
+                else:  # a fused message leaves with its last member
+                    left[g] -= 1
+                    keys = members[g] if left[g] == 0 else ()
+                for key in keys:
+                    posted[key] = (now, op)
+                    w = waiting.pop(key, None)
+                    if w is not None:
+                        ready.append(w)
                 if timeline:
                     tl.append((op, now, now))
-                w = waiting.pop(key, None)
-                if w is not None:
-                    ready.append(w)
             elif kind is _RECV_FWD or kind is _RECV_BWD:
                 key = (op.peer, r, kind is _RECV_BWD, op.microbatch)
                 msg = posted.pop(key, None)

@@ -9,10 +9,8 @@ from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
 
 def restart_plan(plan: ExecutionPlan, survivors: int) -> ExecutionPlan | None:
     """The homogeneous plan that uses the most of `survivors` ranks (ties: the pipeline depth
-    closest to the old one, then the deeper), ranks numbered Megatron's way (tensor parallel
-    fastest, then data, then pipeline), generation advanced; None when not even one pipeline fits.
-    Layers are split as evenly as the depth allows, the extra layers going to the stages after the
-    first (the first and last stages also hold the embedding and the output layer)."""
+    closest to the old one, then the deeper); None when not even one pipeline fits. (The
+    planner's `replan` chooses by predicted speed instead.)"""
     tp, layers, mbs = plan.tensor_parallel, plan.num_layers, plan.num_micro_batches
     old_depth = len(plan.pipelines[0].stages)
     best: tuple[tuple[int, int, int], int, int] | None = None
@@ -25,7 +23,15 @@ def restart_plan(plan: ExecutionPlan, survivors: int) -> ExecutionPlan | None:
                 best = (key, depth, dp)
     if best is None:
         return None
-    _, depth, dp = best
+    return homogeneous(plan, best[1], best[2])
+
+
+def homogeneous(plan: ExecutionPlan, depth: int, dp: int) -> ExecutionPlan:
+    """`dp` pipelines of `depth` stages for `plan`'s model and batch, ranks numbered Megatron's
+    way (tensor parallel fastest, then data, then pipeline), generation advanced. Layers are
+    split as evenly as the depth allows, the extra layers going to the stages after the first
+    (the first and last stages also hold the embedding and the output layer)."""
+    tp, layers, mbs = plan.tensor_parallel, plan.num_layers, plan.num_micro_batches
     base, extra = divmod(layers, depth)
     sizes = [base + (1 if 1 <= s <= extra else 0) for s in range(depth)]
     starts = [sum(sizes[:s]) for s in range(depth)]

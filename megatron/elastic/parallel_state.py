@@ -198,5 +198,12 @@ def initialize(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None)
 
 
 def destroy() -> None:
-    """Forget the plan's groups (megatron-core's globals); the caller drops its own references."""
+    """Forget the plan's groups (megatron-core's globals); the caller drops its own references.
+    destroy_model_parallel() leaves some globals set (megatron-core 0.16.1: the
+    _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP pair, which install() sets to the data-parallel
+    groups); a group still referenced keeps its sockets open and its peers blocked until their
+    timeout, so every group left is dropped too."""
     mps.destroy_model_parallel()
+    for name, value in list(vars(mps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(mps, name, None)

@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +37,10 @@ class Unrecoverable(RuntimeError):
     """No plan over the survivors can continue in-process; the message says why."""
 
 
+class PeerFailed(RuntimeError):
+    """A peer's failure is on the store: stop computing an iteration that cannot complete."""
+
+
 class NotNeeded(RuntimeError):
     """The new plan has no place for this rank (a restart plan smaller than the survivors)."""
 
@@ -47,8 +52,9 @@ class Outcome:
     strategy: str                   # "reroute" (state carried over) or "restart" (checkpoint)
     failed: list[int]               # launch ranks lost in this event
     causes: dict[int, str]
-    detect_ms: float | None         # failure record (agent) -> this rank noticed
-    reconfigure_ms: float
+    detect_ms: float | None         # death -> first noticed (by a survivor or the agent)
+    first_notice: float             # time.time() the first survivor noticed: reconfiguration
+                                    # of the job runs from there until its new runtime is built
     old_generation: int
 
 
@@ -66,6 +72,28 @@ class Recovery:
         self.alive = list(range(self.members.world_size))  # launch rank of each current rank
         self.generation = 0
         self.members.start_heartbeat()
+        self.injector.announce = self.members.announce_death
+        # A rank busy computing would notice a peer's death only at its next communication
+        # with the dead one's group, possibly after the rest of the doomed iteration; the
+        # watcher (its own store connection) lets it stop at the next op instead.
+        self.peer_failed = threading.Event()
+        self.placeholders: list = []
+        self._alive_lock = threading.Lock()  # no stale failure may flag the next generation
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="chameleon-failure-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self, interval_s: float = 0.02) -> None:
+        members = membership.Membership.from_env(membership.connect_store())
+        while not self._stopping.wait(interval_s):
+            try:
+                failed = members.failures()
+            except (RuntimeError, OSError):  # the store is going away with the job
+                return
+            with self._alive_lock:
+                if any(r in failed for r in self.alive if r != self.launch_rank):
+                    self.peer_failed.set()
 
     @classmethod
     def available(cls) -> bool:
@@ -75,23 +103,39 @@ class Recovery:
         phase = PHASE_OF.get(op.kind)
         if phase:
             self.injector.maybe_fire(iteration + 1, phase)
+        if self.peer_failed.is_set():
+            raise PeerFailed(f"a peer's failure is on the store (before {op})")
 
-    def lost_ranks(self) -> set[int]:
-        """Current ranks already reported failed on the store."""
-        failed = self.members.failures()
-        return {i for i, r in enumerate(self.alive) if r in failed}
+    def lost_ranks(self, wait_s: float = 1.0) -> set[int]:
+        """Current ranks reported failed on the store, waiting up to `wait_s` for a first
+        report (the agent writes one within milliseconds of an exit; a hang has none yet)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            failed = self.members.failures()
+            lost = {i for i, r in enumerate(self.alive) if r in failed}
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.005)
 
-    def recover(self, plan: ExecutionPlan, iteration: int) -> Outcome:
-        """Agree, choose and rebuild after a failure during `iteration` (1-based). A survivor
-        lost meanwhile (before the new world exists) starts the agreement over, one generation
-        up, with the failures counted from `plan`."""
-        noticed = time.time()
+    def notice(self) -> float:
+        """Called the moment an op of this rank fails; returns the time (time.time())."""
+        now = time.time()
+        self.members.notice(self.generation + 1, now)
+        return now
+
+    def recover(self, plan: ExecutionPlan, iteration: int, noticed: float) -> Outcome:
+        """Agree, choose and rebuild after a failure during `iteration` (1-based) that this rank
+        noticed at `noticed` (time.time(): its reconfiguration starts there). A
+        survivor lost meanwhile (before the new world exists) starts the agreement over, one
+        generation up, with the failures counted from `plan`."""
         parallel_state.destroy()
         if dist.is_initialized():
             dist.destroy_process_group()
         # Destroyed groups sit in reference cycles; only their collection closes the sockets,
         # which is what makes peers still blocked on us fail now instead of at their timeout.
         gc.collect()
+        self.placeholders = []  # the drain's sends, kept until their group was gone
+        first_notice = self.members.notice(self.generation + 1, noticed)
         candidates, generation = self.alive, self.generation + 1
         causes: dict[int, str] = {}
         while True:
@@ -128,11 +172,16 @@ class Recovery:
         rank = membership.rebuild_world(self.store, ag, self.launch_rank, self.backend)
         new_plan.generation = ag.generation  # one generation count: the membership's
         records = self.members.failures()
-        detect = [noticed - records[r].time for r in failed if r in records]
-        old_generation, self.generation, self.alive = self.generation, ag.generation, ag.alive
+        # From the death to its first sign anywhere: a survivor's failed op, or the record.
+        detect = [min(first_notice, records[r].time) - self.members.death_time(r, records[r])
+                  for r in failed if r in records]
+        with self._alive_lock:
+            old_generation, self.generation, self.alive = self.generation, ag.generation, \
+                ag.alive
+            self.peer_failed.clear()
         return Outcome(new_plan, rank, choice["strategy"], failed,
                        {r: causes.get(r, "failed") for r in failed},
-                       1e3 * max(detect) if detect else None, 1e3 * (time.time() - noticed),
+                       1e3 * max(detect) if detect else None, first_notice,
                        old_generation)
 
     def _choose(self, plan: ExecutionPlan, lost: set[int], survivors: int) -> str:
@@ -147,4 +196,5 @@ class Recovery:
         return json.dumps({"strategy": "restart", "plan": new.to_dict()})
 
     def stop(self) -> None:
+        self._stopping.set()
         self.members.stop()

@@ -16,9 +16,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
 from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.list_scheduler import list_schedule
-from chameleon_ext.schedule_ir import OpKind, Schedule, forward_only, one_f_one_b
-from chameleon_ext.simulator import UniformCosts, simulate
+from chameleon_ext.schedule_choice import choose_schedule
+from chameleon_ext.schedule_ir import OpKind, Schedule, forward_only
 from megatron.elastic import parallel_state, stage_model, state_transfer, wgrad
 from megatron.elastic.schedules import Executor, StageRuntime
 
@@ -45,17 +44,6 @@ class Built:
     schedule: Schedule
     eval_schedule: Schedule
     groups: parallel_state.RankGroups
-
-
-def choose_schedule(plan: ExecutionPlan) -> Schedule:
-    """1F1B where it applies; otherwise the list schedule, with backwards split where the
-    simulator says that is faster. Every schedule is checked before it runs."""
-    if not plan.rerouted:
-        schedule = one_f_one_b(plan)
-        simulate(plan, schedule, UniformCosts())
-        return schedule
-    candidates = [list_schedule(plan, UniformCosts(), split_backward=s) for s in (False, True)]
-    return min(candidates, key=lambda c: simulate(plan, c, UniformCosts()).iteration_time)
 
 
 def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
@@ -116,4 +104,4 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
     if executor == "megatron-core":
         from megatron.elastic.mcore_executor import MegatronCoreExecutor
         return Built(rt, MegatronCoreExecutor(rt), schedule, forward_only(plan), groups)
-    return Built(rt, Executor(rt), schedule, forward_only(plan), groups)
+    return Built(rt, Executor(rt, schedule), schedule, forward_only(plan), groups)

@@ -12,16 +12,15 @@ are summed (not averaged) over replicas, so the update is the same under every p
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from chameleon_ext import comm
 from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import Op, OpKind
+from chameleon_ext.schedule_ir import RECV_OF, FusedMessage, Op, OpKind, Schedule
 from megatron.elastic.wgrad import WeightGradStore
 
 # forward_step(batch, model) -> output; loss_func(batch, output) -> token-mean loss (scalar)
@@ -75,14 +74,26 @@ class StageRuntime:
 
 
 class Executor:
-    def __init__(self, rt: StageRuntime) -> None:
+    """`schedule`: the training schedule whose fused messages run() packs (evaluation sends
+    every tensor on its own)."""
+
+    def __init__(self, rt: StageRuntime, schedule: Schedule | None = None) -> None:
         self.rt = rt
+        fused = schedule or Schedule({})
+        self._fused_sends = fused.fused_sends(rt.rank)
+        self._fused_recvs = fused.fused_recvs(rt.rank)
+        self._sends: dict[Op, FusedMessage] = {}    # those in use by the op list running now
+        self._recvs: dict[Op, FusedMessage] = {}
+        self._outbox: dict[FusedMessage, list[torch.Tensor]] = {}
+        self._inbox: dict[Op, torch.Tensor] = {}    # receive op -> its tensor, already here
         self._inputs: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._out_grads: dict[int, torch.Tensor] = {}
         self._in_grads: dict[int, torch.Tensor] = {}
         self._pending: list = []
         self._position = 0
+        self._started = False  # whether the op at _position began (before_op may refuse it)
+        self._grads_synced = False
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=_device())
 
     def run(self, ops: list[Op], iteration: int) -> StepResult:
@@ -90,11 +101,14 @@ class Executor:
         rt.model.zero_grad_buffer()
         rt.optimizer.zero_grad()
         self._loss_sum.zero_()
+        self._sends, self._recvs = self._fused_sends, self._fused_recvs
         result: tuple = (True, None)
         loss = float("nan")
         for self._position, op in enumerate(ops):
+            self._started = False
             if rt.before_op:
                 rt.before_op(op, iteration)
+            self._started = True
             timer = rt.timers(_TIMER_OF[op.kind], log_level=2) if rt.timers else None
             if timer:
                 timer.start()
@@ -114,44 +128,57 @@ class Executor:
 
     def _check_finished(self) -> None:
         if (self._inputs or self._outputs or self._out_grads or self._in_grads
-                or (self.rt.wgrad and self.rt.wgrad.pending)):
+                or self._outbox or self._inbox or (self.rt.wgrad and self.rt.wgrad.pending)):
             raise RuntimeError(f"rank {self.rt.rank}: micro-batches left unfinished by the "
                                f"schedule: {sorted(set(self._inputs) | set(self._outputs))}")
 
-    def drain(self, ops: list[Op], timeout_s: float, lost: set[int] = frozenset()) -> None:
-        """After a failure at op `_position`: take part in the rest of the iteration's
+    def drain(self, ops: list[Op], lost: set[int]) -> list:
+        """After a failure at op `_position` (or before it began: a peer's failure seen on the
+        store): take part in the rest of the iteration's
         communication without computing, so that live peers do not wait on this rank until a
-        timeout (gloo cannot interrupt a blocked operation). Every send still owed gets a
-        placeholder (but those to `lost` ranks), every collective is joined, receives are
-        skipped; errors (from the lost rank) are expected and ignored. The world loss sum before the optimizer step contains
-        the lost rank, so it fails on every survivor and no one steps. The placeholders' values
-        never matter: the iteration runs again."""
-        works = []
-        for op in ops[self._position + 1:]:
+        timeout (gloo cannot interrupt a blocked operation). Every send still owed to a live
+        peer gets a placeholder; a gradient collective is joined only when none of its members
+        is in `lost` (else it cannot complete, and joining it would hold this rank, and the
+        peers waiting for it elsewhere, until the timeout); receives are skipped, and so is the
+        world loss sum, which contains the lost rank: it fails on every survivor, so no one
+        steps. Errors are expected and ignored. The placeholders' values never matter: the
+        iteration runs again. Returns the placeholder sends: they must stay referenced until the
+        groups are destroyed (a dropped gloo send is withdrawn before it is delivered)."""
+        rt = self.rt
+        sends = []
+        ddp_ok = not lost & set(rt.plan.replicas(rt.rank))
+        embd_ok = rt.embedding_group is not None and \
+            not lost & set(dist.get_process_group_ranks(rt.embedding_group))
+        failed_op = ops[self._position] if self._started else None
+        reduce_op = failed_op is not None and failed_op.kind is OpKind.REDUCE_GRADS
+        for op in ops[self._position + (1 if self._started and not reduce_op else 0):]:
             try:
                 if op.kind in (OpKind.SEND_FWD, OpKind.SEND_BWD) and op.peer not in lost:
-                    buf = torch.zeros(self.rt.activation_shape, dtype=self.rt.activation_dtype,
-                                      device=_device())
-                    works.append(dist.isend(buf, dst=op.peer, tag=op.message_tag()))
+                    msg = self._sends.get(op)
+                    if msg is not None and op != msg.members[-1]:
+                        continue  # one placeholder per fused message, at its last member
+                    n = len(msg.members) if msg else 1
+                    zeros = [torch.zeros(rt.activation_shape, dtype=rt.activation_dtype,
+                                         device=_device()) for _ in range(n)]
+                    buf = comm.pack(zeros) if msg else zeros[0]
+                    tag = msg.tag() if msg else op.message_tag()
+                    sends.append(dist.isend(buf, dst=op.peer, tag=tag))
                 elif op.kind is OpKind.REDUCE_GRADS:
-                    self._reduce_grads(op, -1)
-                elif op.kind is OpKind.OPT_STEP:
-                    self._global_loss()
+                    # The failed op itself, if it is this one: its replica-group part is over.
+                    if ddp_ok and op is not failed_op:
+                        rt.model.finish_grad_sync()
+                    if embd_ok and not (op is failed_op and self._grads_synced):
+                        self._reduce_embedding()
             except RuntimeError:
                 continue
-        deadline = time.monotonic() + timeout_s
-        for work in works:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                work.wait(timeout=timedelta(seconds=left))
-            except RuntimeError:
-                pass
+        # Not waited for: a receiver still blocked gets either its placeholder or, once this
+        # rank drops its groups, a closed connection; one that drains never asks for it.
+        return sends
 
     def reset(self) -> None:
         """Drop everything of an interrupted iteration (activations, received tensors, sends)."""
-        for buf in (self._inputs, self._outputs, self._out_grads, self._in_grads):
+        for buf in (self._inputs, self._outputs, self._out_grads, self._in_grads, self._outbox,
+                    self._inbox):
             buf.clear()
         self._pending.clear()
         if self.rt.wgrad:
@@ -162,6 +189,7 @@ class Executor:
         """Mean loss of forward-only `ops` over the given iterations of `get_batch`'s data."""
         rt = self.rt
         train_get, rt.get_batch = rt.get_batch, get_batch
+        self._sends, self._recvs = {}, {}
         rt.model.eval()
         total, n = 0.0, 0
         try:
@@ -195,14 +223,33 @@ class Executor:
 
     # ---- ops ----------------------------------------------------------------------------------
     def _recv(self, op: Op) -> torch.Tensor:
-        buf = torch.empty(self.rt.activation_shape, dtype=self.rt.activation_dtype,
-                          device=_device())
-        dist.recv(buf, src=op.peer, tag=op.message_tag())
-        return buf
+        msg = self._recvs.get(op)
+        if msg is None:
+            buf = torch.empty(self.rt.activation_shape, dtype=self.rt.activation_dtype,
+                              device=_device())
+            dist.recv(buf, src=op.peer, tag=op.message_tag())
+            return buf
+        if op not in self._inbox:  # the message's first member: all of them arrive now
+            spec = (self.rt.activation_shape, self.rt.activation_dtype)
+            buf = torch.empty(comm.packed_nbytes([spec] * len(msg.members)), dtype=torch.uint8,
+                              device=_device())
+            dist.recv(buf, src=msg.src, tag=msg.tag())
+            for member, tensor in zip(msg.members, comm.unpack(buf)):
+                self._inbox[Op(RECV_OF[member.kind], member.microbatch, msg.src)] = tensor
+        return self._inbox.pop(op)
 
     def _send(self, tensor: torch.Tensor, op: Op) -> None:
-        self._pending.append((dist.isend(tensor.contiguous(), dst=op.peer, tag=op.message_tag()),
-                              tensor))
+        msg = self._sends.get(op)
+        if msg is None:
+            self._pending.append((dist.isend(tensor.contiguous(), dst=op.peer,
+                                             tag=op.message_tag()), tensor))
+            return
+        box = self._outbox.setdefault(msg, [])
+        box.append(tensor)
+        if len(box) == len(msg.members):  # its last member: the whole message leaves now
+            del self._outbox[msg]
+            buf = comm.pack(box)
+            self._pending.append((dist.isend(buf, dst=msg.dst, tag=msg.tag()), buf))
 
     def _recv_fwd(self, op: Op, iteration: int) -> None:
         self._inputs[op.microbatch] = self._recv(op).requires_grad_()
@@ -249,8 +296,13 @@ class Executor:
         self._send(self._in_grads.pop(op.microbatch), op)
 
     def _reduce_grads(self, op: Op, iteration: int) -> None:
+        self._grads_synced = False
+        self.rt.model.finish_grad_sync()
+        self._grads_synced = True
+        self._reduce_embedding()
+
+    def _reduce_embedding(self) -> None:
         rt = self.rt
-        rt.model.finish_grad_sync()
         if rt.embedding_group is not None:
             # Replicas hold identical summed gradients now; one first-stage and one last-stage
             # rank per group contribute, so every copy gets embedding + output gradient once.

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import sys
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -15,13 +16,15 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ext.plan import ExecutionPlan, PlanError
-from chameleon_ext import membership
+from chameleon_ext import comm, membership
+from chameleon_ext.message_fusion import message_count
+from chameleon_ext.schedule_ir import OpKind
 from chameleon_ext.faults import FaultSpecError, Injector, parse_injects
 from megatron.elastic import cpu_compat, runtime, state_transfer
 from megatron.elastic.recovery import NotNeeded, Recovery, Unrecoverable
 from megatron.training import checkpointing
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.data import DataError, MicroBatchLoader, build_gpt_datasets
+from megatron.training.data import DataError, MicroBatchLoader
 from megatron.training.metrics import MetricsFile, Stopwatch, Tensorboard, iteration_line
 from megatron.training.tokenizer import TokenizerError, build_tokenizer
 
@@ -156,6 +159,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         built.runtime.before_op = recovery.before_op if recovery else None
         return built
 
+    # Everything made so far (imports, data, tokenizer) lives for the whole job: out of the
+    # collector's sight, so that the collections at a recovery (which close the old groups'
+    # sockets) take milliseconds, not half a second.
+    gc.freeze()
     built = build(plan, rank)
     set_random_seeds(args.seed)
     model_meta = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
@@ -183,7 +190,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                       f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size} per iteration")
         _print0(rank, f"> backend {args.distributed_backend}, transformer impl "
                       f"{args.transformer_impl}, fused kernels: "
-                      f"{'apex' if _has('apex') else 'torch fallbacks (no apex)'}")
+                      f"{'apex' if _has('apex') else 'torch fallbacks (no apex)'}, packed "
+                      f"messages: {comm.backend()}")
+        _print0(rank, _schedule_line(built.schedule))
         if args.chameleon:
             _print0(rank, f"> chameleon: in-process recovery on (strategy "
                           f"{args.chameleon_strategy}), {len(injector.specs)} injected fault(s)")
@@ -204,15 +213,16 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         except RuntimeError as e:
             if recovery is None:
                 raise
+            noticed = recovery.notice()
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         if error is not None:  # outside the except block: its traceback would pin the groups
-            built.executor.drain(built.schedule.ops[rank], timeout_s=2.0, lost=recovery.lost_ranks())
+            recovery.placeholders = built.executor.drain(built.schedule.ops[rank],
+                                                         recovery.lost_ranks())
             carried = state_transfer.capture(built.runtime, tied)
             built.executor.reset()
             del built
-            gc.collect()
             try:
-                out = recovery.recover(plan, it)
+                out = recovery.recover(plan, it, noticed)
             except NotNeeded as why:
                 print(f"> leaving the job at iteration {it}: {why}", flush=True)
                 metrics.close()
@@ -233,7 +243,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             strategy = out.strategy
             events.append((len(times), plan.generation))
             if rank == 0:
-                _report_recovery(metrics, bar, out, it, plan, error, times, resume)
+                reconfigure_ms = 1e3 * (time.time() - out.first_notice)
+                _report_recovery(metrics, bar, out, it, plan, error, times, resume, reconfigure_ms,
+                                 built.schedule)
             if bar:
                 bar.n = resume
                 bar.refresh()
@@ -327,7 +339,15 @@ def _load_for_restart(args, rt, tied: bool, model_meta: dict) -> int:
     return meta["iteration"] if meta else 0
 
 
-def _report_recovery(metrics, bar, out, it, plan, error: str, times, resume: int) -> None:
+def _schedule_line(schedule) -> str:
+    kinds = {op.kind for ops in schedule.ops.values() for op in ops}
+    messages, packed = message_count(schedule)
+    return (f"> schedule: {'backward split, ' if OpKind.BWD_WEIGHT in kinds else ''}"
+            f"{messages} point-to-point messages per iteration, {packed} of them packed")
+
+
+def _report_recovery(metrics, bar, out, it, plan, error: str, times, resume: int,
+                     reconfigure_ms: float, schedule) -> None:
     cause = ", ".join(f"rank {r}: {c}" for r, c in out.causes.items())
     before = sorted(times[-10:])[len(times[-10:]) // 2] if times else None
     metrics.write("failure", generation=out.old_generation, ranks=out.failed,
@@ -336,8 +356,8 @@ def _report_recovery(metrics, bar, out, it, plan, error: str, times, resume: int
     lost = it - resume
     metrics.write("recovery", generation=plan.generation, strategy=out.strategy,
                   candidates=[{"strategy": out.strategy, "predicted_iter_ms": None,
-                               "transition_ms": round(out.reconfigure_ms, 1)}],
-                  reconfigure_ms=round(out.reconfigure_ms, 1), lost_iterations=lost,
+                               "transition_ms": round(reconfigure_ms, 1)}],
+                  reconfigure_ms=round(reconfigure_ms, 1), lost_iterations=lost,
                   resume_iteration=resume + 1, world=plan.world_size)
     if out.strategy == "restart":
         what = (f"checkpoint of iteration {resume}" if resume else "no checkpoint: the initial "
@@ -353,8 +373,9 @@ def _report_recovery(metrics, bar, out, it, plan, error: str, times, resume: int
         f"> recovery at iteration {it}: lost launch rank(s) {out.failed} ({cause}){detect}",
         f"  ({error})",
         f"  strategy {out.strategy}: {what}",
+        "  " + _schedule_line(schedule)[2:],
         f"  new world {plan.world_size} ranks, generation {plan.generation}, reconfigured in "
-        f"{out.reconfigure_ms:.0f} ms; training goes on from iteration {resume + 1} "
+        f"{reconfigure_ms:.0f} ms; training goes on from iteration {resume + 1} "
         f"({lost} iteration(s) lost)"
         + (f" (before: {before:.1f} ms/iteration)" if before else ""),
     ]

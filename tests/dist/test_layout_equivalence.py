@@ -85,19 +85,30 @@ def test_hand_written_uneven_plan_matches_single_process(single, small_data, tmp
     assert_close(run.losses(), single.losses())
 
 
-def test_rerouted_plan_with_split_backward_matches_single_process(single, small_data, tmp_path):
+def test_rerouted_plan_with_split_backward_matches_single_process(single, small_data, tmp_path,
+                                                                  monkeypatch):
     """Pipeline 2 x data 2 after losing rank 3: rank 1 hosts stage 1 of both pipelines. The
-    schedule splits backwards (weight halves deferred into bubbles); the numbers stay those of
-    one process."""
+    schedule splits backwards (weight halves deferred into bubbles) and packs sends to one peer
+    into one message; the numbers stay those of one process, and are the same bit for bit with
+    the compiled pack/unpack and with the torch fallback (CHAMELEON_NO_EXT=1)."""
     from chameleon_ext.plan import ExecutionPlan
     from chameleon_ext.strategies.reroute import reroute
-    from megatron.elastic.runtime import choose_schedule
+    from chameleon_ext.schedule_choice import choose_schedule
 
     plan = reroute(ExecutionPlan.failure_free(4, 1, 2, 4, 2, 16), {3})
-    kinds = {op.kind.value for ops in choose_schedule(plan).ops.values() for op in ops}
+    schedule = choose_schedule(plan)
+    kinds = {op.kind.value for ops in schedule.ops.values() for op in ops}
     assert {"bwd_input", "bwd_weight"} <= kinds
+    assert schedule.fused, "the rerouted schedule should pack some of its sends"
     path = tmp_path / "plan.json"
     plan.save(path)
     run = run_job(3, common(small_data) + ["--chameleon-plan", str(path)], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert_close(run.losses(), single.losses())
+    assert "packed messages: cpp" in run.stdout and "of them packed" in run.stdout
+    monkeypatch.setenv("CHAMELEON_NO_EXT", "1")
+    fallback = run_job(3, common(small_data) + ["--chameleon-plan", str(path)], tmp_path,
+                       name="no-ext")
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert "packed messages: torch" in fallback.stdout
+    assert fallback.losses() == run.losses()

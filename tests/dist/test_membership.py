@@ -279,3 +279,18 @@ def test_store_spec_errors(monkeypatch):
     monkeypatch.delenv("CHAMELEON_STORE", raising=False)
     with pytest.raises(mb.MembershipError, match="CHAMELEON_STORE is not set"):
         mb.connect_store()
+
+
+def test_detection_is_timed_from_the_death_to_the_first_notice():
+    """The first survivor's notice wins; a death is timed by the victim's own announcement
+    where it made one, else by the agent's record less the agent's latency."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
+                          wait_for_workers=False)
+    a, b = mb.Membership(store, 0, 3, 5.0), mb.Membership(store, 1, 3, 5.0)
+    assert a.notice(1, when=100.25) == 100.25
+    assert b.notice(1, when=100.5) == 100.25
+    rec = a.report_failure(2, "signal", "SIGKILL", when=100.3, detect_ms=40.0)
+    assert a.death_time(2, rec) == pytest.approx(100.26)
+    victim = mb.Membership(store, 2, 3, 5.0)
+    victim.announce_death()
+    assert abs(a.death_time(2, rec) - time.time()) < 5

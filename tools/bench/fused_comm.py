@@ -1,15 +1,17 @@
 """Packed messages for rerouted traffic: gloo step time, and the fused kernels against torch ops.
 
-(a) A rerouted step on gloo: 3 local processes (127.0.0.1, one thread each); rank 0 sends to 2
-    peers, per peer K tensors (K micro-batches of [seq, mb, hidden] float32 activations), either
+(a) A rerouted step on gloo: 1 + P local processes (127.0.0.1, one thread each; P = 2 and 4);
+    rank 0 sends to P peers, per peer K tensors (K micro-batches of [seq, mb, hidden] float32 activations), either
     as K separate isend/irecv or as one packed message per peer (pack on the sender, unpack, i.e.
     views, on the receiver). A step's time is the slowest rank's, from a barrier to the end of
     its last wait. Variants alternate round by round; medians over all steps.
 (b) pack and scale_accumulate (chameleon_ext.comm, whichever backend it uses) against the torch
     ops a caller would write otherwise: torch.cat of flattened views, and a loop of
     dst.add_(src, alpha) (src.float() for a bf16 source). Alternating repetitions; medians.
+(c) The messages per iteration of the schedules the executor runs after a loss, with and without
+    the fused messages chameleon_ext.message_fusion chose.
 
-    python tools/bench/fused_comm.py [--rounds 10] [--steps 20] [--reps 21] [--k 8]
+    python tools/bench/fused_comm.py [--rounds 10] [--steps 20] [--reps 21] [--k 8] [--peers 2 4]
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from chameleon_ext import comm  # noqa: E402
+from chameleon_ext.message_fusion import message_count  # noqa: E402
+from chameleon_ext.plan import ExecutionPlan  # noqa: E402
+from chameleon_ext.schedule_ir import Schedule  # noqa: E402
+from chameleon_ext.simulator import UniformCosts, simulate  # noqa: E402
+from chameleon_ext.strategies.reroute import reroute  # noqa: E402
+from chameleon_ext.schedule_choice import choose_schedule  # noqa: E402
 
-WORLD = 3
-PEERS = (1, 2)
 
 
 def _free_port() -> int:
@@ -44,7 +50,7 @@ def _free_port() -> int:
 # ---- (a) gloo ------------------------------------------------------------------------------------
 def _step_separate(rank, acts, recv_bufs):
     if rank == 0:
-        reqs = [dist.isend(t, peer) for peer in PEERS for t in acts[peer]]
+        reqs = [dist.isend(t, peer) for peer in acts for t in acts[peer]]
     else:
         reqs = [dist.irecv(b, 0) for b in recv_bufs]
     for r in reqs:
@@ -54,8 +60,8 @@ def _step_separate(rank, acts, recv_bufs):
 
 def _step_packed(rank, acts, recv_buf, packer):
     if rank == 0:
-        bufs = [packer(acts[peer]) for peer in PEERS]
-        reqs = [dist.isend(b, peer) for b, peer in zip(bufs, PEERS)]
+        bufs = {peer: packer(ts) for peer, ts in acts.items()}
+        reqs = [dist.isend(b, peer) for peer, b in bufs.items()]
         for r in reqs:
             r.wait()
         return None
@@ -63,14 +69,15 @@ def _step_packed(rank, acts, recv_buf, packer):
     return comm.unpack(recv_buf)
 
 
-def _worker(rank, port, shape, k, rounds, steps, out_path):
+def _worker(rank, port, world, shape, k, rounds, steps, out_path):
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+                            world_size=world)
+    peers = range(1, world)
     try:
         gen = torch.Generator().manual_seed(rank)
-        acts = {peer: [torch.randn(shape, generator=gen) for _ in range(k)] for peer in PEERS}
+        acts = {peer: [torch.randn(shape, generator=gen) for _ in range(k)] for peer in peers}
         recv_bufs = [torch.empty(shape) for _ in range(k)]
         recv_packed = torch.empty(comm.packed_nbytes([(shape, torch.float32)] * k),
                                   dtype=torch.uint8)
@@ -87,7 +94,7 @@ def _worker(rank, port, shape, k, rounds, steps, out_path):
             if rank != 0:
                 sent_gen = torch.Generator().manual_seed(0)
                 sent = {p: [torch.randn(shape, generator=sent_gen) for _ in range(k)]
-                        for p in PEERS}
+                        for p in peers}
                 assert all(torch.equal(a, b) for a, b in zip(got, sent[rank])), name
         for _ in range(3):  # warm-up
             for name in names:
@@ -114,11 +121,11 @@ def _worker(rank, port, shape, k, rounds, steps, out_path):
         dist.destroy_process_group()
 
 
-def bench_gloo(shape, k, rounds, steps):
+def bench_gloo(peers, shape, k, rounds, steps):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.pt")
-        mp.spawn(_worker, args=(_free_port(), shape, k, rounds, steps, out), nprocs=WORLD,
-                 join=True)
+        mp.spawn(_worker, args=(_free_port(), peers + 1, shape, k, rounds, steps, out),
+                 nprocs=peers + 1, join=True)
         return torch.load(out)
 
 
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="steps per variant and round in (a)")
     p.add_argument("--reps", type=int, default=21, help="repetitions per kernel in (b)")
     p.add_argument("--k", type=int, default=8, help="micro-batches per peer in (a)")
+    p.add_argument("--peers", type=int, nargs="+", default=[2, 4], help="peers of rank 0 in (a)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     print(f"chameleon_ext.comm backend: {comm.backend()}"
@@ -193,23 +201,40 @@ def main(argv: list[str] | None = None) -> int:
              f" ({comm._EXT_REASON})") + f"; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads in (b)", flush=True)
 
-    print("\n(a) rerouted traffic per step on gloo: 3 processes on 127.0.0.1, 1 thread each; "
-          "rank 0 -> 2 peers")
-    print(f"{'payload per peer':<32} | {'variant':<23} | {'msgs/step':>9} | {'median ms/step':>14}"
-          f" | {'separate / variant':>18}")
-    for shape, k in (((128, 2, 256), args.k), ((16, 1, 256), args.k)):
-        times = bench_gloo(shape, k, args.rounds, args.steps)
-        med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
-        mib = k * torch.Size(shape).numel() * 4 / 2 ** 20
-        payload = f"{k} x {list(shape)} f32 ({mib:.2f} MiB)" if mib >= 0.1 else \
-            f"{k} x {list(shape)} f32 ({mib * 1024:.0f} KiB)"
-        labels = {"separate": ("separate isend/irecv", 2 * k),
-                  "packed": (f"packed ({comm.backend()})", 2),
-                  "packed-torch": ("packed (torch fallback)", 2)}
-        for name, (label, msgs) in labels.items():
-            print(f"{payload:<32} | {label:<23} | {msgs:>9} | {med[name]:14.3f} | "
-                  f"{med['separate'] / med[name]:17.2f}x", flush=True)
-            payload = ""
+    print("\n(a) rerouted traffic per step on gloo: 1 + peers processes on 127.0.0.1, 1 thread "
+          "each; rank 0 -> every peer")
+    print(f"{'peers':>5} | {'payload per peer':<32} | {'variant':<23} | {'msgs/step':>9} | "
+          f"{'median ms/step':>14} | {'separate / variant':>18}")
+    for peers in args.peers:
+        for shape, k in (((128, 2, 256), args.k), ((16, 1, 256), args.k)):
+            times = bench_gloo(peers, shape, k, args.rounds, args.steps)
+            med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+            mib = k * torch.Size(shape).numel() * 4 / 2 ** 20
+            payload = f"{k} x {list(shape)} f32 ({mib:.2f} MiB)" if mib >= 0.1 else \
+                f"{k} x {list(shape)} f32 ({mib * 1024:.0f} KiB)"
+            labels = {"separate": ("separate isend/irecv", peers * k),
+                      "packed": (f"packed ({comm.backend()})", peers),
+                      "packed-torch": ("packed (torch fallback)", peers)}
+            for name, (label, msgs) in labels.items():
+                print(f"{peers:>5} | {payload:<32} | {label:<23} | {msgs:>9} | "
+                      f"{med[name]:14.3f} | {med['separate'] / med[name]:17.2f}x", flush=True)
+                payload = ""
+
+    print("\n(c) the executor's rerouted schedules (list scheduler, fused by the simulator at no "
+          "simulated cost): point-to-point messages per iteration")
+    print(f"{'layout, lost rank':<26} | {'unfused':>7} | {'fused':>5} | {'packed':>6} | "
+          f"{'simulated time':>14}")
+    for world, pp, mbs, lost in ((4, 2, 16, 3), (6, 2, 24, 5), (8, 4, 16, 5), (8, 2, 32, 7),
+                                 (16, 4, 32, 9)):
+        plan = reroute(ExecutionPlan.failure_free(world, 1, pp, 4, 1, mbs), {lost})
+        fused = choose_schedule(plan)
+        plain = Schedule(fused.ops)
+        before, _ = message_count(plain)
+        after, packed = message_count(fused)
+        same = simulate(plan, fused, UniformCosts()).iteration_time == \
+            simulate(plan, plain, UniformCosts()).iteration_time
+        print(f"{f'PP{pp} x DP{world // pp}, rank {lost}':<26} | {before:>7} | {after:>5} | "
+              f"{packed:>6} | {'unchanged' if same else 'CHANGED':>14}", flush=True)
 
     print(f"\n(b) kernels ({comm.backend()}) against the equivalent torch ops, "
           f"median of {args.reps} alternating repetitions")

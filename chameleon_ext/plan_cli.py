@@ -1,0 +1,135 @@
+"""chameleon-plan: the planner's ranked candidates for a failure, without training.
+
+    chameleon-plan --profile run/profile.json --world-size 32 --pipeline-parallel 4 \\
+        --global-batch-size 128 --fail 5 [--iteration 100 --checkpoint-iteration 50] [--json]
+    chameleon-plan --device H200 --num-layers 32 --hidden-size 2560 --num-attention-heads 32 \\
+        --seq-length 2048 --micro-batch-size 1 --vocab-size 51200 --world-size 32 \\
+        --pipeline-parallel 4 --global-batch-size 128 --fail 5,6
+
+The profile is a measured one (saved by a run as profile.json next to its checkpoints, or by
+tools/profile_model.py) or, with --device, the analytical one of that device (labelled so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from chameleon_ext.perf_model import DEVICES, ModelShape, Profile, ProfileError, \
+    analytical_profile, predict
+from chameleon_ext.plan import ExecutionPlan, PlanError
+from chameleon_ext.planner import STRATEGIES, Situation, candidates, choose
+from chameleon_ext.schedule_choice import choose_schedule
+
+
+class UsageError(ValueError):
+    pass
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="chameleon-plan", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", help="a profile JSON (measured, offline or analytical)")
+    src.add_argument("--device", choices=sorted(DEVICES), help="the analytical profile of it")
+    m = p.add_argument_group("model (with --device)")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                 "--micro-batch-size", "--vocab-size"):
+        m.add_argument(flag, type=int)
+    m.add_argument("--bf16", action="store_true", help="2-byte activations (analytical)")
+    c = p.add_argument_group("cluster and failure")
+    c.add_argument("--plan", help="the plan before the failure (JSON); else the flags below")
+    c.add_argument("--world-size", type=int)
+    c.add_argument("--tensor-parallel", type=int, default=1)
+    c.add_argument("--pipeline-parallel", type=int, default=1)
+    c.add_argument("--global-batch-size", type=int, help="in samples")
+    c.add_argument("--fail", required=True, help="lost ranks, comma-separated")
+    c.add_argument("--iteration", type=int, default=100, help="the interrupted iteration")
+    c.add_argument("--checkpoint-iteration", type=int, default=0)
+    c.add_argument("--train-iters", type=int, default=10_000)
+    c.add_argument("--mtbf", type=float, help="hours between failures (the horizon)")
+    c.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p.parse_args(argv)
+
+
+def _profile(args) -> Profile:
+    if args.profile:
+        return Profile.load(args.profile)
+    need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+            "vocab_size")
+    missing = [f"--{n.replace('_', '-')}" for n in need if getattr(args, n) is None]
+    if missing:
+        raise UsageError(f"--device needs the model: {' '.join(missing)}")
+    shape = ModelShape(*(getattr(args, n) for n in need), bytes_per_element=2 if args.bf16 else 4)
+    return analytical_profile(shape, args.device)
+
+
+def _plan(args, profile: Profile) -> ExecutionPlan:
+    if args.plan:
+        return ExecutionPlan.load(args.plan)
+    if args.world_size is None or args.global_batch_size is None:
+        raise UsageError("give --plan, or --world-size and --global-batch-size")
+    return ExecutionPlan.failure_free(args.world_size, args.tensor_parallel,
+                                      args.pipeline_parallel, profile.shape.num_layers,
+                                      profile.shape.micro_batch_size, args.global_batch_size)
+
+
+def _lost(text: str, plan: ExecutionPlan) -> set[int]:
+    try:
+        lost = {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        raise UsageError(f"--fail {text!r}: not a comma-separated list of ranks") from None
+    bad = sorted(lost - set(plan.ranks))
+    if not lost or bad:
+        raise UsageError(f"--fail {text!r}: ranks {bad or '(none)'} are not in the "
+                         f"{plan.world_size}-rank plan")
+    return lost
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        profile = _profile(args)
+        plan = _plan(args, profile)
+        lost = _lost(args.fail, plan)
+        strategies = tuple(s.strip() for s in args.strategies.split(","))
+        unknown = sorted(set(strategies) - set(STRATEGIES))
+        if unknown:
+            raise UsageError(f"--strategies: unknown {', '.join(unknown)} "
+                             f"(known: {', '.join(STRATEGIES)})")
+        t0 = time.perf_counter()
+        before = predict(plan, choose_schedule(plan, fuse=False), profile).iteration_ms
+        situation = Situation(args.iteration, args.checkpoint_iteration,
+                              args.train_iters - args.iteration + 1, args.mtbf, before)
+        ranked = candidates(plan, lost, profile, situation, strategies)
+        search_ms = (time.perf_counter() - t0) * 1e3
+    except (ProfileError, PlanError, UsageError) as e:
+        print(f"chameleon-plan: error: {e}", file=sys.stderr)
+        return 2
+    best = choose(ranked)
+    if args.json:
+        print(json.dumps({"profile": {"source": profile.source, "device": profile.device},
+                          "failure_free_iter_ms": round(before, 3), "search_ms": round(search_ms, 1),
+                          "candidates": [c.summary() for c in ranked],
+                          "chosen": best.summary() if best else None,
+                          "plan": best.plan.to_dict() if best else None}, indent=1))
+        return 0 if best else 1
+    print(f"profile: {profile.source} ({profile.device}); {plan.world_size} ranks, "
+          f"{len(plan.pipelines)} pipeline(s) x {len(plan.pipelines[0].stages)} stage(s); "
+          f"failure-free {before:.1f} ms/iteration; lost rank(s) {sorted(lost)}")
+    print(f"{'strategy':<10} | {'layout':<26} | {'ranks':>5} | {'iter ms':>9} | "
+          f"{'transition ms':>13} | {'memory MiB':>10} | {'total over horizon s':>20}")
+    for c in ranked:
+        s = c.summary()
+        total = f"{s['total_ms'] / 1e3:.1f}" if s["total_ms"] is not None else "infeasible"
+        print(f"{c.strategy:<10} | {s['layout']:<26} | {s['world']:>5} | {c.iteration_ms:9.1f} | "
+              f"{c.transition_ms:13.1f} | {s['memory_mib']:10.1f} | {total:>20}")
+    print(f"chosen: {best.strategy if best else 'none (no feasible plan)'}; search took "
+          f"{search_ms:.1f} ms")
+    return 0 if best else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
