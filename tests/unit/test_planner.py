@@ -108,3 +108,31 @@ def test_replan_finds_the_fastest_layout():
                                                      prof).iteration_ms + 1e-9
     assert t_best <= predict_homogeneous(restart_plan(plan, 7), prof).iteration_ms
     assert replan(plan, 0, prof) is None
+
+
+def test_chameleon_plan_prints_the_ranked_candidates_as_json(capsys):
+    import json
+
+    from chameleon_ext.plan_cli import main
+    args = ["--device", "A100", "--num-layers", "8", "--hidden-size", "256",
+            "--num-attention-heads", "8", "--seq-length", "128", "--micro-batch-size", "1",
+            "--vocab-size", "1024", "--world-size", "8", "--pipeline-parallel", "2",
+            "--global-batch-size", "32", "--fail", "7", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["profile"]["source"] == "analytical"
+    assert {c["strategy"] for c in out["candidates"]} == {"reroute", "restart"}
+    assert out["chosen"] == out["candidates"][0] and out["plan"]["num_layers"] == 8
+
+
+def test_chameleon_plan_rejects_bad_input_in_one_line(capsys, tmp_path):
+    from chameleon_ext.plan_cli import main
+    base = ["--device", "A100", "--num-layers", "8", "--hidden-size", "256",
+            "--num-attention-heads", "8", "--seq-length", "128", "--micro-batch-size", "1",
+            "--vocab-size", "1024", "--world-size", "8", "--global-batch-size", "32"]
+    assert main(base + ["--fail", "9"]) == 2
+    assert "ranks [9] are not in the 8-rank plan" in capsys.readouterr().err
+    assert main(["--profile", str(tmp_path / "none.json"), "--world-size", "8",
+                 "--global-batch-size", "32", "--fail", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read profile" in err
