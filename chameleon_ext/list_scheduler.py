@@ -16,19 +16,38 @@ micro-batches it still holds reach the in-flight limit, or at the end of the ite
 Because every op is placed after the ops it depends on in a feasible timeline, the emitted op
 lists cannot deadlock under the IR's semantics (non-blocking sends, blocking receives); the
 simulator checks every generated schedule anyway.
+
+Implementation: the scan "least (start time, backward < forward < weight half, unit) over all
+units" runs on a heap holding each unit's own least candidate. Placing an op changes the
+candidates of only two units: its own (its clock and queues moved) and the neighbour on the
+micro-batch's path whose input it produces. Only those two are recomputed; an entry that is no
+longer its unit's candidate is skipped when popped (lazy deletion). Start times never decrease,
+since every new candidate starts at or after the op just placed. Units that no path connects
+(each untouched pipeline, for one) cannot affect each other, so each connected part runs on its
+own heap. This is O(ops log units) instead of a scan of every unit per op, with the same choices:
+a unit's order among units is its group's sorted order, so ties fall as in the scan. (The cost
+model is asked once per op and message, so it must be a pure function of its arguments, as
+CostModel's implementations are.)
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
+import math
 from dataclasses import dataclass, field
 
-from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.plan import ExecutionPlan, PlanError
 from chameleon_ext.schedule_ir import Op, OpKind, Schedule
 from chameleon_ext.simulator import CostModel
 
+_Path = list[tuple[int, ...]]
+# One placed op of a unit: its compute op, its position on the path, and the send of its result
+# from the unit's lead rank (None: the path ends there).
+_Placed = tuple[Op, int, Op | None]
 
-@dataclass
+
+@dataclass(slots=True)
 class _Unit:
     """One tensor-parallel group of ranks: they run identical op sequences."""
 
@@ -36,148 +55,216 @@ class _Unit:
     forwards: list[tuple[int, int]] = field(default_factory=list)  # (mb, position), in order
     next_fwd: int = 0
     pending_bwd: list[tuple[int, int]] = field(default_factory=list)  # forwarded, not backwarded
-    pending_w: list[tuple[int, int]] = field(default_factory=list)  # input half done, weight not
+    # Input half done, weight half not: (mb, position, the weight half's cost).
+    pending_w: list[tuple[int, int, float]] = field(default_factory=list)
     clock: float = 0.0
     limit: int = 1
-    ops: list[tuple[OpKind, int, int]] = field(default_factory=list)  # (kind, mb, position)
+    ops: list[_Placed] = field(default_factory=list)
 
 
 def list_schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool = False) -> Schedule:
-    paths = {mb: [tuple(g) for g in plan.path(mb)] for mb in range(plan.num_micro_batches)}
+    """The list schedule of `plan` under `costs` (see the module docstring)."""
+    # The run allocates millions of small acyclic tuples; the collection passes they would
+    # trigger traverse the whole (large) plan each time and can cost more than the scheduling.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _schedule(plan, costs, split_backward)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool) -> Schedule:
+    paths, order = _paths_and_order(plan)
     units: dict[tuple[int, ...], _Unit] = {}
-    for mb in range(plan.num_micro_batches):
-        for k, group in enumerate(paths[mb]):
-            u = units.setdefault(group, _Unit(group))
+    for mb, path in enumerate(paths):
+        for k, group in enumerate(path):
+            u = units.get(group)
+            if u is None:
+                u = units[group] = _Unit(group)
             u.forwards.append((mb, k))
-            u.limit = max(u.limit, len(paths[mb]) - k)
+            u.limit = max(u.limit, len(path) - k)
     for u in units.values():
-        u.forwards.sort(key=lambda f: (plan_order(plan, f[0]), f[0]))
+        u.forwards.sort(key=lambda f: (order[f[0]], f[0]))
 
-    fwd_done: dict[tuple[int, int], float] = {}
-    bwd_done: dict[tuple[int, int], float] = {}
+    # A unit's index orders like (lead rank, group), the scan's tie-break.
+    by_index = [units[group] for group in sorted(units)]
+    index = {u.ranks: i for i, u in enumerate(by_index)}
+    path_units = [[index[group] for group in path] for path in paths]
+    bwd_kind = OpKind.BWD_INPUT if split_backward else OpKind.BWD
+    # Compute ops are the same on every rank of a micro-batch's path: build each once.
+    fwd_ops = [Op(OpKind.FWD, mb) for mb in range(len(paths))]
+    bwd_ops = [Op(bwd_kind, mb) for mb in range(len(paths))]
+    w_ops = [Op(OpKind.BWD_WEIGHT, mb) for mb in range(len(paths))] if split_backward else []
+    compute, p2p = costs.compute, costs.p2p
 
-    def lead(u: _Unit) -> int:
-        return u.ranks[0]
+    # When the input of (mb, position) is on its unit: the producer's finish plus the message.
+    # The first stage's activations and the last stage's gradients are there from the start:
+    # -inf, so that max(clock, -inf) is the clock, as for the scan.
+    fwd_in = {(mb, 0): -math.inf for mb in range(len(paths))}
+    bwd_in = {(mb, len(path) - 1): -math.inf for mb, path in enumerate(paths)}
 
-    def message(src: tuple[int, ...], dst: tuple[int, ...], kind: OpKind, mb: int) -> float:
-        return costs.p2p(src[0], dst[0], Op(kind, mb, dst[0]))
+    heap: list[tuple[float, int, int]] = []  # (start time, priority, unit index)
+    current: list[tuple[float, int, int] | None] = [None] * len(by_index)  # each unit's entry
 
-    def fwd_ready(u: _Unit) -> float | None:
-        if u.next_fwd >= len(u.forwards) or len(u.pending_bwd) + len(u.pending_w) >= u.limit:
-            return None
-        mb, k = u.forwards[u.next_fwd]
-        if k == 0:
-            return u.clock
-        prev = fwd_done.get((mb, k - 1))
-        if prev is None:
-            return None
-        return max(u.clock, prev + message(paths[mb][k - 1], u.ranks, OpKind.SEND_FWD, mb))
-
-    def bwd_ready(u: _Unit) -> float | None:
-        if not u.pending_bwd:
-            return None
-        mb, k = u.pending_bwd[0]
-        last = len(paths[mb]) - 1
-        if k == last:
-            return u.clock
-        nxt = bwd_done.get((mb, k + 1))
-        if nxt is None:
-            return None
-        return max(u.clock, nxt + message(paths[mb][k + 1], u.ranks, OpKind.SEND_BWD, mb))
-
-    def w_ready(u: _Unit, bwd: float | None, fwd: float | None) -> float | None:
-        """A weight half may start now if it delays nothing known: it ends before the rank's
-        next input half or forward could start, or those wait on work not placed yet."""
-        if not u.pending_w:
-            return None
-        if len(u.pending_bwd) + len(u.pending_w) >= u.limit and bwd is None:
-            return u.clock  # at the in-flight limit: the held inputs must be freed first
-        nxt = min((t for t in (bwd, fwd) if t is not None), default=None)
-        mb, _ = u.pending_w[0]
-        if nxt is None or u.clock + costs.compute(lead(u), Op(OpKind.BWD_WEIGHT, mb)) <= nxt:
-            return u.clock
-        return None
+    def refresh(i: int) -> None:
+        """Recompute unit i's least candidate; push it unless it is the entry already there."""
+        u = by_index[i]
+        clock = u.clock
+        held = len(u.pending_bwd) + len(u.pending_w)
+        best: float | None = None
+        prio = 0
+        if u.pending_bwd:
+            t = bwd_in.get(u.pending_bwd[0])
+            if t is not None:
+                best = t if t > clock else clock
+        bwd_ready = best is not None
+        if u.next_fwd < len(u.forwards) and held < u.limit:
+            t = fwd_in.get(u.forwards[u.next_fwd])
+            if t is not None:
+                t = t if t > clock else clock
+                if best is None or t < best:  # a backward wins a tie
+                    best, prio = t, 1
+        # A weight half (ready at the clock) runs if it delays nothing known: it ends before
+        # the next input half or forward could start, or those wait on work not placed yet; or
+        # the rank is at the in-flight limit with no input half ready, so the held inputs must
+        # be freed first. It loses ties with both.
+        if u.pending_w and (best is None or clock < best):
+            if (held >= u.limit and not bwd_ready) or best is None \
+                    or clock + u.pending_w[0][2] <= best:
+                best, prio = clock, 2
+        entry = None if best is None else (best, prio, i)
+        if entry != current[i]:
+            current[i] = entry
+            if entry is not None:
+                heapq.heappush(heap, entry)
 
     per_mb = 3 if split_backward else 2
-    remaining = sum(per_mb * len(u.forwards) for u in units.values())
-    order = sorted(units)
-    bwd_kind = OpKind.BWD_INPUT if split_backward else OpKind.BWD
-    while remaining:
-        best: tuple[float, int, int, tuple[int, ...]] | None = None
-        for key in order:
-            u = units[key]
-            b, f = bwd_ready(u), fwd_ready(u)
-            for prio, ready in ((0, b), (1, f), (2, w_ready(u, b, f) if split_backward else None)):
-                if ready is not None:
-                    cand = (ready, prio, lead(u), key)
-                    if best is None or cand < best:
-                        best = cand
-        if best is None:
-            # Only weight halves are left that would delay work not placed yet: run the oldest.
-            key = min((k for k in order if units[k].pending_w), default=None,
-                      key=lambda k: (units[k].clock, lead(units[k])))
-            if key is None:
-                raise RuntimeError("list scheduler is stuck: the plan's paths are inconsistent")
-            best = (units[key].clock, 2, lead(units[key]), key)
-        start, prio, _, key = best
-        u = units[key]
-        if prio == 2:
-            mb, k = u.pending_w.pop(0)
-            u.clock = start + costs.compute(lead(u), Op(OpKind.BWD_WEIGHT, mb))
-            u.ops.append((OpKind.BWD_WEIGHT, mb, k))
-        elif prio == 0:
-            mb, k = u.pending_bwd.pop(0)
-            u.clock = start + costs.compute(lead(u), Op(bwd_kind, mb))
-            bwd_done[(mb, k)] = u.clock
-            u.ops.append((bwd_kind, mb, k))
-            if split_backward:
-                u.pending_w.append((mb, k))
-        else:
-            mb, k = u.forwards[u.next_fwd]
-            u.next_fwd += 1
-            u.clock = start + costs.compute(lead(u), Op(OpKind.FWD, mb))
-            fwd_done[(mb, k)] = u.clock
-            u.pending_bwd.append((mb, k))
-            u.ops.append((OpKind.FWD, mb, k))
-        remaining -= 1
+    # Units that no micro-batch's path connects never affect each other's candidates, so each
+    # connected part is scheduled on its own small heap: the same choices, cheaper heap steps.
+    for part in _connected(path_units, len(by_index)):
+        heap.clear()  # what the last part left is stale
+        for i in part:
+            refresh(i)
+        remaining = per_mb * sum(len(by_index[i].forwards) for i in part)
+        while remaining:
+            # A unit holding weight halves always has a candidate, so an empty heap means that
+            # forwards and backwards wait on each other.
+            while True:
+                if not heap:
+                    raise RuntimeError("list scheduler is stuck: the plan's paths are "
+                                       "inconsistent")
+                entry = heapq.heappop(heap)
+                if current[entry[2]] == entry:
+                    break
+            start, prio, i = entry
+            current[i] = None  # consumed: refresh pushes the unit's next candidate
+            u = by_index[i]
+            lead = u.ranks[0]
+            if prio == 2:
+                mb, k, cost = u.pending_w.pop(0)
+                u.clock = start + cost
+                u.ops.append((w_ops[mb], k, None))
+                refresh(i)
+            elif prio == 0:
+                mb, k = u.pending_bwd.pop(0)
+                u.clock = end = start + compute(lead, bwd_ops[mb])
+                if split_backward:
+                    u.pending_w.append((mb, k, compute(lead, w_ops[mb])))
+                if k > 0:
+                    dst = paths[mb][k - 1][0]
+                    send = Op(OpKind.SEND_BWD, mb, dst)
+                    bwd_in[mb, k - 1] = end + p2p(lead, dst, send)
+                    u.ops.append((bwd_ops[mb], k, send))
+                    refresh(i)
+                    refresh(path_units[mb][k - 1])
+                else:
+                    u.ops.append((bwd_ops[mb], k, None))
+                    refresh(i)
+            else:
+                mb, k = u.forwards[u.next_fwd]
+                u.next_fwd += 1
+                u.clock = end = start + compute(lead, fwd_ops[mb])
+                u.pending_bwd.append((mb, k))
+                if k + 1 < len(paths[mb]):
+                    dst = paths[mb][k + 1][0]
+                    send = Op(OpKind.SEND_FWD, mb, dst)
+                    fwd_in[mb, k + 1] = end + p2p(lead, dst, send)
+                    u.ops.append((fwd_ops[mb], k, send))
+                    refresh(i)
+                    refresh(path_units[mb][k + 1])
+                else:
+                    u.ops.append((fwd_ops[mb], k, None))
+                    refresh(i)
+            remaining -= 1
 
+    tail = [Op(OpKind.REDUCE_GRADS), Op(OpKind.OPT_STEP)]
     out: dict[int, list[Op]] = {}
     for u in units.values():
         for t, rank in enumerate(u.ranks):
-            out[rank] = _emit(u.ops, paths, t)
+            out[rank] = _emit(u.ops, paths, t, tail)
     return Schedule(out)
 
 
-def plan_order(plan: ExecutionPlan, mb: int) -> int:
-    """Position of `mb` in its owning pipeline's list: hosts interleave their own and hosted
-    micro-batches by it, so each pipeline's work flows in its own order."""
+def _connected(path_units: list[list[int]], n: int) -> list[list[int]]:
+    """The units 0..n-1 split into sets that paths connect, each in increasing order. Most
+    micro-batches share their path with others, so only the distinct paths are merged."""
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for path in {tuple(p) for p in path_units}:
+        r = root(path[0])
+        for i in path[1:]:
+            parent[root(i)] = r
+    parts: dict[int, list[int]] = {}
+    for i in range(n):
+        parts.setdefault(root(i), []).append(i)
+    return list(parts.values())
+
+
+def _paths_and_order(plan: ExecutionPlan) -> tuple[list[_Path], list[int]]:
+    """Every micro-batch's path (as plan.path gives it) and its position in its owning
+    pipeline's list: hosts interleave their own and hosted micro-batches by it, so each
+    pipeline's work flows in its own order. One pass over the plan, not one per micro-batch."""
+    wanted = range(plan.num_micro_batches)
+    paths: dict[int, _Path] = {}
+    order: dict[int, int] = {}
     for p in plan.pipelines:
-        if mb in p.micro_batches:
-            return p.micro_batches.index(mb)
-    return mb
+        for pos, mb in enumerate(p.micro_batches):
+            if mb in wanted and mb not in paths:  # its first owner, as plan.path finds it
+                paths[mb] = [tuple(st.ranks or st.hosts[mb]) for st in p.stages]
+                order[mb] = pos
+    for mb in wanted:
+        if mb not in paths:
+            raise PlanError(f"micro-batch {mb} is owned by no pipeline")
+    return [paths[mb] for mb in wanted], [order[mb] for mb in wanted]
 
 
-def _emit(unit_ops: list[tuple[OpKind, int, int]], paths: dict[int, list[tuple[int, ...]]],
-          t: int) -> list[Op]:
+def _emit(placed: list[_Placed], paths: list[_Path], t: int, tail: list[Op]) -> list[Op]:
+    """Tensor-parallel rank t's op list: each placed op with its receive and send."""
     ops: list[Op] = []
-    for kind, mb, k in unit_ops:
+    for op, k, send in placed:
+        kind, mb = op.kind, op.microbatch
         path = paths[mb]
-        prev = path[k - 1][t] if k > 0 else None
-        nxt = path[k + 1][t] if k + 1 < len(path) else None
         if kind is OpKind.FWD:
-            if prev is not None:
-                ops.append(Op(OpKind.RECV_FWD, mb, prev))
-            ops.append(Op(OpKind.FWD, mb))
-            if nxt is not None:
-                ops.append(Op(OpKind.SEND_FWD, mb, nxt))
+            if k > 0:
+                ops.append(Op(OpKind.RECV_FWD, mb, path[k - 1][t]))
+            ops.append(op)
+            if send is not None:  # the lead rank's send was built for its message cost
+                ops.append(send if t == 0 else Op(OpKind.SEND_FWD, mb, path[k + 1][t]))
         elif kind is OpKind.BWD_WEIGHT:
-            ops.append(Op(kind, mb))
+            ops.append(op)
         else:
-            if nxt is not None:
-                ops.append(Op(OpKind.RECV_BWD, mb, nxt))
-            ops.append(Op(kind, mb))
-            if prev is not None:
-                ops.append(Op(OpKind.SEND_BWD, mb, prev))
-    ops.append(Op(OpKind.REDUCE_GRADS))
-    ops.append(Op(OpKind.OPT_STEP))
+            if k + 1 < len(path):
+                ops.append(Op(OpKind.RECV_BWD, mb, path[k + 1][t]))
+            ops.append(op)
+            if send is not None:
+                ops.append(send if t == 0 else Op(OpKind.SEND_BWD, mb, path[k - 1][t]))
+    ops += tail
     return ops
