@@ -11,6 +11,7 @@ from chameleon_ext.perf_model import (MIB, ModelShape, Profile, ProfileError, al
                                       transition_ms)
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import one_f_one_b
+from tests.profiles import synthetic_profile
 
 SHAPE = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                    micro_batch_size=2, vocab_size=512)
@@ -18,12 +19,8 @@ SHAPE = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_leng
 
 def profile(**kw) -> Profile:
     """One layer: forward 1 ms, backward 0.5 + 0.5 ms; everything else free."""
-    base = dict(source="offline", device="test", shape=SHAPE, layer_fwd_ms=1.0,
-                layer_bwd_input_ms=0.5, layer_bwd_weight_ms=0.5, embedding_fwd_ms=0.0,
-                embedding_bwd_ms=0.0, head_fwd_ms=0.0, head_bwd_ms=0.0,
-                optimizer_ms_per_mparam=0.0, p2p_alpha_ms=0.0, p2p_ms_per_mib=0.0,
-                allreduce_alpha_ms=0.0, allreduce_ms_per_mib=0.0)
-    return Profile(**{**base, **kw})
+    return synthetic_profile(SHAPE, **{"layer_fwd_ms": 1.0, "layer_bwd_input_ms": 0.5,
+                                       "layer_bwd_weight_ms": 0.5, **kw})
 
 
 def pp2() -> ExecutionPlan:

@@ -10,19 +10,17 @@ from chameleon_ext.planner import (Situation, balanced_layers, candidates, choos
                                    stage_cost_ms)
 from chameleon_ext.schedule_ir import one_f_one_b
 from chameleon_ext.strategies.restart import homogeneous, restart_plan
+from tests.profiles import synthetic_profile
 
 SHAPE = ModelShape(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32,
                    micro_batch_size=1, vocab_size=512)
 
 
 def synthetic(**kw) -> Profile:
-    base = dict(source="offline", device="synthetic", shape=SHAPE, layer_fwd_ms=1.0,
-                layer_bwd_input_ms=1.0, layer_bwd_weight_ms=1.0, embedding_fwd_ms=0.0,
-                embedding_bwd_ms=0.0, head_fwd_ms=0.0, head_bwd_ms=0.0,
-                optimizer_ms_per_mparam=0.0, p2p_alpha_ms=0.01, p2p_ms_per_mib=0.0,
-                allreduce_alpha_ms=0.01, allreduce_ms_per_mib=0.1, detect_ms=50.0,
-                rebuild_ms=400.0, load_ms_per_mib=1.0)
-    return Profile(**{**base, **kw})
+    return synthetic_profile(SHAPE, **{
+        "layer_fwd_ms": 1.0, "layer_bwd_input_ms": 1.0, "layer_bwd_weight_ms": 1.0,
+        "p2p_alpha_ms": 0.01, "allreduce_alpha_ms": 0.01, "allreduce_ms_per_mib": 0.1,
+        "detect_ms": 50.0, "rebuild_ms": 400.0, "load_ms_per_mib": 1.0, **kw})
 
 
 def pp2_dp4() -> ExecutionPlan:
