@@ -196,6 +196,9 @@ class Injector:
     def __bool__(self) -> bool:
         return bool(self.specs)
 
+    def has_slow(self) -> bool:
+        return any(s.kind == "slow" and s.rank == self.rank for s in self.specs)
+
     def slow_factor(self, iteration: int, phase: str) -> float:
         f = 1.0
         for s in self.specs:

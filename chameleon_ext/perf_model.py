@@ -10,9 +10,11 @@ gradient all-reduce, and memory per parameter and per in-flight activation. It i
 `analytical_profile`), and says which in `source`.
 
 Prediction = the simulator run over the plan's schedule IR with the profile's costs (ProfileCosts):
-the same op lists the executor runs. Ranks that share compute (several CPU processes on fewer
-cores) are modelled as sharing a device: a host's `cores` are divided among the ranks placed on
-it, so per-op times grow by ranks / cores when there are more ranks than cores.
+the same op lists the executor runs. `predict_plan` takes the schedule the executor would run and
+simulates only the pipelines that determine the result, exactly (the planner's fast path). Ranks
+that share compute (several CPU processes on fewer cores) are modelled as sharing a device: a
+host's `cores` are divided among the ranks placed on it, so per-op times grow by ranks / cores
+when there are more ranks than cores.
 
 This module imports only the standard library and chameleon_ext: never torch or megatron.
 """
@@ -21,14 +23,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from chameleon_ext.plan import ExecutionPlan, Pipeline
+from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import Op, OpKind, Schedule, one_f_one_b
-from chameleon_ext.simulator import simulate
+from chameleon_ext.simulator import SimResult, reduction_components, simulate
 
 SOURCES = ("measured", "offline", "analytical")
+SHARING_ROUNDS = 20
+COMPUTE = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_INPUT, OpKind.BWD_WEIGHT,
+                     OpKind.OPT_STEP})
 MIB = 2 ** 20
 
 
@@ -111,6 +117,9 @@ class Profile:
     rebuild_ms: float = 400.0          # notice to a new runtime (groups, model, optimizer)
     load_ms_per_mib: float = 1.0       # reading a checkpoint
     iteration_overhead_ms: float = 0.0  # measured iteration time the simulated ops do not cover
+    # rank -> how many times slower it computes than the costs above (a slow device); ranks
+    # of the plan the profile was measured under
+    rank_slowdown: dict[int, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -125,6 +134,7 @@ class Profile:
         try:
             d = dict(d)
             d["shape"] = ModelShape(**d["shape"])
+            d["rank_slowdown"] = {int(r): float(f) for r, f in d.get("rank_slowdown", {}).items()}
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise ProfileError(f"not a Chameleon profile: {e}") from None
@@ -145,36 +155,95 @@ class Profile:
         except json.JSONDecodeError as e:
             raise ProfileError(f"profile {path} is not JSON: {e}") from None
 
-    def sharing(self, ranks_on_host: int) -> float:
-        """How much slower each rank computes when `ranks_on_host` ranks share the host."""
+    def for_survivors(self, lost: set[int]) -> "Profile":
+        """This profile for a plan over the survivors of `lost`: slow ranks renumbered densely in
+        their old order, as every strategy renumbers the survivors."""
+        if not self.rank_slowdown:
+            return self
+        return replace(self, rank_slowdown={
+            r - sum(1 for x in lost if x < r): f
+            for r, f in self.rank_slowdown.items() if r not in lost})
+
+    def sharing(self, computing: float) -> float:
+        """How much slower each rank computes while `computing` ranks (on average) share the
+        host's cores."""
         if self.cores <= 0:
             return 1.0
-        return max(1.0, ranks_on_host / self.cores)
+        return max(1.0, computing / self.cores)
+
+    def hosts(self, ranks: list[int]) -> list[list[int]]:
+        """The ranks on each host (they fill hosts in rank order)."""
+        per = self.ranks_per_host or len(ranks) or 1
+        return [ranks[i:i + per] for i in range(0, len(ranks), per)]
 
     def host_load(self, plan: ExecutionPlan) -> dict[int, float]:
-        """rank -> its sharing factor under `plan` (ranks fill hosts in rank order)."""
-        ranks = plan.ranks
-        per = self.ranks_per_host or len(ranks)
-        hosts: dict[int, int] = {}
-        for i, _ in enumerate(ranks):
-            hosts[i // per] = hosts.get(i // per, 0) + 1
-        return {r: self.sharing(hosts[i // per]) for i, r in enumerate(ranks)}
+        """rank -> its sharing factor under `plan` when every rank computes all the time."""
+        return {r: self.sharing(len(h)) for h in self.hosts(plan.ranks) for r in h}
+
+    def concurrent_load(self, ranks: list[int],
+                        timeline: dict[int, list[tuple[Op, float, float]]]) -> dict[int, float]:
+        """rank -> the mean, over its compute, of max(1, ranks of its host computing at that
+        moment / cores): how much sharing the cores slows it (a rank waiting on a message
+        sleeps and leaves its core to the others)."""
+        load = {}
+        for host in self.hosts(ranks):
+            events = sorted((t, inc, r) for r in host for op, start, end in timeline[r]
+                            if op.kind in COMPUTE and end > start
+                            for t, inc in ((start, 1), (end, -1)))
+            active: set[int] = set()
+            weighted = {r: 0.0 for r in host}
+            span = {r: 0.0 for r in host}
+            last = 0.0
+            for t, inc, r in events:  # ends sort before starts at the same instant
+                if active and t > last:
+                    f = self.sharing(len(active))
+                    for q in active:
+                        weighted[q] += f * (t - last)
+                        span[q] += t - last
+                last = t
+                (active.add if inc > 0 else active.discard)(r)
+            load.update({r: weighted[r] / span[r] if span[r] else 1.0 for r in host})
+        return load
+
+    def busy_load(self, ranks: list[int], busy: dict[int, float],
+                  elapsed: float) -> dict[int, float]:
+        """rank -> its sharing factor when each rank computed busy[rank] of `elapsed` (a rank
+        waiting on a message sleeps and leaves its core to the others)."""
+        if elapsed <= 0:
+            return {r: 1.0 for r in ranks}
+        return {r: self.sharing(sum(busy[q] for q in h) / elapsed)
+                for h in self.hosts(ranks) for r in h}
 
 
 class ProfileCosts:
-    """The simulator's CostModel from a Profile, for one plan. `replicas` and `hosts_of` serve
-    predict_homogeneous: one pipeline simulated for a plan of `replicas` identical ones,
-    its ranks sharing hosts as in the plan `hosts_of`."""
+    """The simulator's CostModel from a Profile, for one plan: `load` is each rank's sharing
+    factor (default: every rank of a host computing all the time); `part_of` is the plan that
+    `plan` is a part of (predict_plan): each reduction is costed for its group there, and the
+    parameters are counted under its tensor parallelism."""
 
-    def __init__(self, plan: ExecutionPlan, profile: Profile, *, replicas: int = 0,
-                 hosts_of: ExecutionPlan | None = None) -> None:
+    def __init__(self, plan: ExecutionPlan, profile: Profile, *,
+                 part_of: ExecutionPlan | None = None,
+                 load: dict[int, float] | None = None) -> None:
         self.profile = profile
-        self._load = profile.host_load(hosts_of or plan)
-        self._replicas = replicas
+        self.load = load or profile.host_load(plan)
+        self._slow = profile.rank_slowdown
         self._stage: dict[int, tuple[int, bool, bool]] = {
             r: (plan.stage_of(r).num_layers, plan.is_first_stage(r), plan.is_last_stage(r))
             for r in plan.ranks}
-        self._params = {r: stage_params(plan, r, profile.shape) for r in plan.ranks}
+        tp = (part_of or plan).tensor_parallel
+        self._params = {r: stage_param_count(profile.shape, *self._stage[r], tp)
+                        for r in plan.ranks}
+        self._segments = _segment_costs(plan, profile) if plan.misaligned_stages() else {}
+        self._group_sizes: dict[int, int] = {}
+        if part_of is not None:
+            held: dict[tuple[int, int], int] = {}  # stages with ranks per layer range
+            for p in part_of.pipelines:
+                for st in p.stages:
+                    if st.ranks:
+                        key = (st.layer_start, st.layer_end)
+                        held[key] = held.get(key, 0) + 1
+            self._group_sizes = {r: held[st.layer_start, st.layer_end]
+                                 for p in plan.pipelines for st in p.stages for r in st.ranks}
         self._msg_ms = profile.p2p_alpha_ms + profile.p2p_ms_per_mib * \
             profile.shape.message_bytes() / MIB
 
@@ -196,14 +265,32 @@ class ProfileCosts:
         else:
             raise ValueError(f"rank {rank}, {op}: compute() is only defined for fwd, bwd, "
                              "bwd_input, bwd_weight and optimizer_step")
-        return ms * self._load[rank]
+        return ms * self.load[rank] * self._slow.get(rank, 1.0)
 
     def p2p(self, src: int, dst: int, op: Op) -> float:
         return self._msg_ms
 
     def reduce(self, ranks: tuple[int, ...]) -> float:
-        return allreduce_ms(self.profile, self._replicas or len(ranks),
+        if self._segments:  # one all-reduce per segment of layers, one after the other
+            return self._segments.get(ranks, 0.0)
+        return allreduce_ms(self.profile, self._group_sizes.get(ranks[0], len(ranks)),
                             self._params[ranks[0]] * 4)  # fp32 main grads
+
+
+def _segment_costs(plan: ExecutionPlan, profile: Profile) -> dict[tuple[int, ...], float]:
+    """Each chain of a misaligned plan's gradient all-reduces (simulator.reduction_components)
+    -> its duration: every segment's all-reduce over the ranks holding it, in turn."""
+    shape = profile.shape
+    chain = reduction_components(plan)
+    total: dict[tuple[int, ...], float] = {}
+    for t in range(plan.tensor_parallel):
+        for a, b in plan.segments():
+            members = plan.segment_ranks(a, b, t)
+            n = (b - a) * shape.layer_params() + (a == 0) * shape.embedding_params()
+            group = chain[members[0]]
+            total[group] = total.get(group, 0.0) + allreduce_ms(
+                profile, len(members), 4 * n // plan.tensor_parallel)
+    return total
 
 
 def allreduce_ms(profile: Profile, group: int, nbytes: int) -> float:
@@ -219,12 +306,17 @@ def stage_params(plan: ExecutionPlan, rank: int, shape: ModelShape) -> int:
     """Parameters on `rank` (megatron-core's count): its layers' share (tensor parallel splits
     them), the embeddings on the first stage, and on the last the final layer norm and, when it
     is not also the first, its copy of the tied output weights."""
-    n = plan.stage_of(rank).num_layers
-    first, last = plan.is_first_stage(rank), plan.is_last_stage(rank)
+    return stage_param_count(shape, plan.stage_of(rank).num_layers, plan.is_first_stage(rank),
+                             plan.is_last_stage(rank), plan.tensor_parallel)
+
+
+def stage_param_count(shape: ModelShape, layers: int, first: bool, last: bool,
+                      tensor_parallel: int) -> int:
+    """stage_params of a stage of `layers` layers, without a plan (the planner's bounds)."""
     h = shape.hidden_size
-    total = n * shape.layer_params() + first * shape.embedding_params() \
+    total = layers * shape.layer_params() + first * shape.embedding_params() \
         + last * (2 * h + (not first) * shape.vocab_size * h)
-    return total // plan.tensor_parallel
+    return total // tensor_parallel
 
 
 @dataclass
@@ -232,6 +324,7 @@ class Prediction:
     iteration_ms: float
     memory_bytes: dict[int, int]       # per rank: parameters, gradients, optimizer, activations
     bubble_fraction: float
+    sharing: dict[int, float] = field(default_factory=dict)  # rank -> slowdown by shared cores
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -241,30 +334,131 @@ class Prediction:
 def predict(plan: ExecutionPlan, schedule: Schedule, profile: Profile,
             costs: ProfileCosts | None = None, validate: bool = True) -> Prediction:
     """Iteration time and per-rank memory of running `schedule` on `plan` (validate=False:
-    a schedule correct by construction, not checked again)."""
-    res = simulate(plan, schedule, costs or ProfileCosts(plan, profile), timeline=False,
-                   validate=validate)
+    a schedule correct by construction, not checked again). A rank sharing cores is slowed by
+    how many ranks compute while it does, per core (Profile.concurrent_load): a fixed point,
+    found by simulating again with the sharing the last simulated timeline implies."""
+    if costs is None:
+        costs = ProfileCosts(plan, profile)
+    shared = profile.cores > 0
+    res = simulate(plan, schedule, costs, timeline=shared, validate=validate)
+    if shared:
+        for _ in range(SHARING_ROUNDS):
+            load = profile.concurrent_load(plan.ranks, res.timeline)
+            if all(abs(load[r] - costs.load[r]) < 1e-4 * load[r] for r in load):
+                break
+            costs = ProfileCosts(plan, profile, load=load)
+            res = simulate(plan, schedule, costs, timeline=True, validate=False)
+    return Prediction(res.iteration_time + profile.iteration_overhead_ms,
+                      _memory(plan, res, profile, plan.tensor_parallel), res.bubble_fraction,
+                      dict(costs.load))
+
+
+def _memory(plan: ExecutionPlan, res: SimResult, profile: Profile,
+            tensor_parallel: int) -> dict[int, int]:
+    """Per rank: parameters, gradients and optimizer state, and the activations of the most
+    micro-batches it held at once, each shard 1 / `tensor_parallel` of its stage's."""
     shape = profile.shape
     memory = {}
     for r in plan.ranks:
         layers = plan.stage_of(r).num_layers
-        acts = res.peak_inflight[r] * layers * shape.layer_activation_bytes() // \
-            plan.tensor_parallel
-        memory[r] = stage_params(plan, r, shape) * profile.bytes_per_param + acts
-    return Prediction(res.iteration_time + profile.iteration_overhead_ms, memory,
-                      res.bubble_fraction)
+        acts = res.peak_inflight[r] * layers * shape.layer_activation_bytes() // tensor_parallel
+        params = stage_param_count(shape, layers, plan.is_first_stage(r), plan.is_last_stage(r),
+                                   tensor_parallel)
+        memory[r] = params * profile.bytes_per_param + acts
+    return memory
 
 
 def predict_homogeneous(plan: ExecutionPlan, profile: Profile) -> Prediction:
-    """predict() of a plan of identical pipelines under 1F1B, from one of them: the pipelines
-    only meet in the gradient reduction, which is costed for all of them. Exact, and
-    independent of the number of pipelines."""
-    first = plan.pipelines[0]
-    m = len(first.micro_batches)
-    one = ExecutionPlan(plan.num_layers, plan.tensor_parallel, plan.micro_batch_size, m,
-                        [Pipeline(first.stages, list(range(m)))])
-    costs = ProfileCosts(one, profile, replicas=len(plan.pipelines), hosts_of=plan)
-    return predict(one, one_f_one_b(one), profile, costs, validate=False)
+    """predict() of a plan of identical pipelines under 1F1B (predict_plan: from one of them)."""
+    return predict_plan(plan, profile)
+
+
+def planned_schedule(plan: ExecutionPlan) -> Schedule:
+    """The schedule the executor runs for `plan`, unfused (choose_schedule(plan, fuse=False),
+    whose fusion leaves the time unchanged): 1F1B, correct by construction, is not simulated
+    for a check; a list schedule is checked by choose_schedule."""
+    return choose_schedule(plan, fuse=False) if plan.rerouted else one_f_one_b(plan)
+
+
+def predict_plan(plan: ExecutionPlan, profile: Profile) -> Prediction:
+    """predict(plan, planned_schedule(plan), profile), from the fewest pipelines that determine
+    it. Pipelines meet only in the gradient reduction, a collective that waits for all of its
+    members; a pipeline that neither reroutes nor hosts rerouted work is scheduled and runs
+    exactly like every other such pipeline with the same stages, micro-batch count and rank
+    speeds. Likewise the tensor-parallel shards of a stage, each of which only talks to the
+    same shard of its neighbours and replicas, run alike unless their speeds differ. So the
+    rerouted pipelines and their hosts are simulated beside one pipeline of each other kind,
+    one shard of each stage where they are alike, every reduction costed for its whole group,
+    and the ranks left out take their representative's memory and busy time. Exact: the same
+    op lists and the same float operations as the whole plan's run (the bubble fraction, a
+    ratio of sums, to rounding). Ranks sharing cores slow each other across pipelines, so with
+    `cores` the whole plan is simulated."""
+    if profile.cores > 0 or plan.misaligned_stages() is not None:  # reductions chain pipelines
+        return predict(plan, planned_schedule(plan), profile, validate=False)
+    part, twin = _representatives(plan, profile)
+    if not twin:
+        return predict(plan, planned_schedule(plan), profile, validate=False)
+    costs = ProfileCosts(part, profile, part_of=plan)
+    res = simulate(part, planned_schedule(part), costs, timeline=False, validate=False)
+    memory = _memory(part, res, profile, plan.tensor_parallel)
+    memory.update((r, memory[q]) for r, q in twin.items())
+    # The bubble fraction is 1 - forward/backward busy time / (ranks x the end of the last
+    # forward or backward); that end is the part's, the busy time adds the twins'.
+    step = Op(OpKind.OPT_STEP)
+    fb = {r: b - costs.compute(r, step) for r, b in res.busy.items()}
+    part_fb = sum(fb.values())
+    bubble = res.bubble_fraction
+    if part_fb > 0:
+        whole_fb = part_fb + sum(fb[q] for q in twin.values())
+        bubble = 1.0 - (1.0 - bubble) * len(fb) * whole_fb / (part_fb * len(memory))
+    return Prediction(res.iteration_time + profile.iteration_overhead_ms, memory, bubble)
+
+
+def _representatives(plan: ExecutionPlan, profile: Profile) -> \
+        tuple[ExecutionPlan, dict[int, int]]:
+    """The part of `plan` that predict_plan simulates: the pipelines that reroute or host
+    rerouted work, and the first pipeline of each kind of the others (stage layers,
+    micro-batch count, rank slowdowns), with only the first tensor-parallel shard of each stage
+    when no rank is slowed; micro-batches renumbered in their order, which keeps every tie of
+    the list scheduler. And each left-out rank -> its representative's rank."""
+    pipelines = plan.pipelines
+    owner = {r: pi for pi, p in enumerate(pipelines) for st in p.stages for r in st.ranks}
+    touched: set[int] = set()
+    for pi, p in enumerate(pipelines):
+        for st in p.stages:
+            if not st.ranks:
+                touched.add(pi)
+                touched.update(owner[ranks[0]] for ranks in st.hosts.values())
+    slow = profile.rank_slowdown
+    width = plan.tensor_parallel if slow else 1  # the shards simulated per stage
+    kinds: dict[tuple, int] = {}
+    keep: list[int] = []
+    twin: dict[int, int] = {}
+    for pi, p in enumerate(pipelines):
+        rep = pi
+        if pi not in touched:
+            kind = (len(p.micro_batches), tuple(
+                (st.layer_start, st.layer_end, tuple(slow.get(r, 1.0) for r in st.ranks))
+                for st in p.stages))
+            rep = kinds.setdefault(kind, pi)
+        if rep == pi:
+            keep.append(pi)
+        for st, like in zip(p.stages, pipelines[rep].stages):
+            for t, r in enumerate(st.ranks):
+                q = like.ranks[t if t < width else 0]
+                if q != r:
+                    twin[r] = q
+    if not twin:
+        return plan, twin
+    kept = sorted(mb for pi in keep for mb in pipelines[pi].micro_batches)
+    new_id = {mb: i for i, mb in enumerate(kept)}
+    part = ExecutionPlan(plan.num_layers, width, plan.micro_batch_size, len(kept), [
+        Pipeline([Stage(st.layer_start, st.layer_end, st.ranks[:width],
+                        {new_id[mb]: h[:width] for mb, h in st.hosts.items()})
+                  for st in pipelines[pi].stages],
+                 [new_id[mb] for mb in pipelines[pi].micro_batches])
+        for pi in keep], plan.generation)
+    return part, twin
 
 
 def transition_ms(profile: Profile, *, moved_bytes: int = 0, loaded_bytes: int = 0,
@@ -275,6 +469,12 @@ def transition_ms(profile: Profile, *, moved_bytes: int = 0, loaded_bytes: int =
             + profile.p2p_ms_per_mib * moved_bytes / MIB
             + profile.load_ms_per_mib * loaded_bytes / MIB
             + lost_iterations * iteration_ms)
+
+
+def switch_ms(profile: Profile, *, loaded_bytes: int = 0) -> float:
+    """Cost of a planned move to a new plan from a checkpoint just written (a hybrid's second
+    step): the rebuild and the checkpoint read; no failure to detect, no work lost."""
+    return profile.rebuild_ms + profile.load_ms_per_mib * loaded_bytes / MIB
 
 
 # ---- analytical profiles -----------------------------------------------------------------------

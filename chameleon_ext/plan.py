@@ -173,6 +173,30 @@ class ExecutionPlan:
                 return find[(a0, a1)], find[(b0, b1)]
         return None
 
+    def segments(self) -> list[tuple[int, int]]:
+        """The layer ranges [a, b) that the stage boundaries of all pipelines together cut the
+        model into, first to last. In an aligned plan they are the stages' own ranges; in a
+        misaligned one every stage is a union of consecutive segments, and a segment's
+        gradients are summed over every rank whose stage contains it (segment_ranks)."""
+        cuts = sorted({0, self.num_layers} | {st.layer_start for p in self.pipelines
+                                              for st in p.stages})
+        return list(zip(cuts, cuts[1:]))
+
+    def segment_ranks(self, layer_start: int, layer_end: int, tp_rank: int) -> list[int]:
+        """Ranks of tensor-parallel shard `tp_rank` whose stage holds all of layers
+        [layer_start, layer_end), sorted."""
+        return sorted(st.ranks[tp_rank] for p in self.pipelines for st in p.stages
+                      if st.ranks and st.layer_start <= layer_start
+                      and layer_end <= st.layer_end)
+
+    def first_stage_ranks(self, tp_rank: int) -> list[int]:
+        """Ranks of shard `tp_rank` that hold a first stage (word and position embeddings)."""
+        return sorted(p.stages[0].ranks[tp_rank] for p in self.pipelines if p.stages[0].ranks)
+
+    def last_stage_ranks(self, tp_rank: int) -> list[int]:
+        """Ranks of shard `tp_rank` that hold a last stage (final norm, output layer)."""
+        return sorted(p.stages[-1].ranks[tp_rank] for p in self.pipelines if p.stages[-1].ranks)
+
     def _index(self) -> dict[int, RankPosition]:
         if not self._positions:
             for pi, p in enumerate(self.pipelines):

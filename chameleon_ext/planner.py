@@ -1,17 +1,29 @@
 """Candidate plans after a failure, their predicted costs, and the choice among them.
 
 Every available strategy proposes its plan over the survivors (chameleon_ext.strategies): reroute
-(the lost stage's micro-batches to its replicas) and restart (the latest checkpoint onto the
+(the lost stage's micro-batches to its replicas), takeover (a neighbour stage of the failed
+pipeline absorbs the lost layers, fetched with their optimizer state from a replica), restart (the latest checkpoint onto the
 homogeneous plan over the survivors predicted fastest, among every pipeline depth and width, its
 layers split by a dynamic program over contiguous layer ranges so that the stages' predicted
-costs are balanced). Each candidate is predicted with the performance model
-(chameleon_ext.perf_model: the simulator over the schedule the executor would run) and costed as
+costs are balanced) and the hybrid reroute+restart (reroute now, and at the next periodic
+checkpoint save restart from that fresh checkpoint onto the re-planned layout). Each plan is
+predicted with the performance model (chameleon_ext.perf_model.predict_plan: the simulator over
+the schedule the executor would run, on the fewest pipelines that determine it exactly) and
+costed as
 
     transition + horizon x predicted iteration time
 
 where the horizon is the number of iterations expected before the next event: the job's remaining
-iterations, or fewer when `--chameleon-mtbf` says a failure comes sooner. A candidate whose
-predicted memory exceeds the device's is never chosen.
+iterations, or fewer when `--chameleon-mtbf` says a failure comes sooner. The hybrid, switching
+after k iterations (the interrupted one, run again, included), costs
+
+    reroute transition + k x reroute iteration + rebuild and checkpoint read
+        + (horizon - k) x re-planned iteration
+
+and is a candidate only when k is within the horizon. A candidate whose predicted memory exceeds
+the device's is never chosen. The layouts of the restart search are predicted in the order of a
+lower bound on their iteration time, and the search stops at the first bound above the best
+prediction so far: the same choice as predicting every layout.
 """
 
 from __future__ import annotations
@@ -19,16 +31,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
-from chameleon_ext.perf_model import (MIB, Profile, predict, predict_homogeneous, stage_params,
+from chameleon_ext.perf_model import (MIB, Prediction, Profile, allreduce_ms, predict_plan,
+                                      stage_param_count, stage_params, switch_ms,
                                       transition_ms)
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import Schedule
 from chameleon_ext.strategies.reroute import reroute
 from chameleon_ext.strategies.restart import homogeneous
+from chameleon_ext.strategies.takeover import takeover
 
-STRATEGIES = ("reroute", "restart")
+STRATEGIES = ("reroute", "takeover", "restart", "reroute+restart")
 
 
 @dataclass
@@ -40,28 +55,64 @@ class Situation:
     remaining_iterations: int          # iterations left to train, the interrupted one included
     mtbf_hours: float | None = None
     failure_free_ms: float = 0.0       # iteration time before the failure (for lost work)
+    save_interval: int = 0             # a checkpoint after every multiple (0: no periodic saves)
+
+
+class _Scheduled:
+    """`schedule`: the one the executor would run for `self.plan`, built on first use (the
+    predictions do not need it whole, and at 16k ranks it takes seconds)."""
+
+    plan: ExecutionPlan
+
+    @cached_property
+    def schedule(self) -> Schedule:
+        return choose_schedule(self.plan, fuse=False)
 
 
 @dataclass
-class Candidate:
+class Switch(_Scheduled):
+    """A hybrid's second step: after iteration `at_iteration` (a periodic checkpoint save) the
+    job moves to `plan` by `strategy`, paying `transition_ms`."""
+
     strategy: str
     plan: ExecutionPlan
-    schedule: Schedule
+    iteration_ms: float
+    transition_ms: float
+    at_iteration: int
+
+
+@dataclass
+class Candidate(_Scheduled):
+    strategy: str
+    plan: ExecutionPlan
     iteration_ms: float
     transition_ms: float
     memory_bytes: int                  # the largest per-rank estimate
     feasible: bool
     total_ms: float = math.inf
+    switch: Switch | None = None       # a hybrid's second step (plan etc. are the first's)
 
     def summary(self) -> dict:
         """The metrics file's form (ARCHITECTURE.md: recovery.candidates)."""
-        return {"strategy": self.strategy, "predicted_iter_ms": round(self.iteration_ms, 3),
-                "transition_ms": round(self.transition_ms, 1),
-                "memory_mib": round(self.memory_bytes / MIB, 1), "feasible": self.feasible,
-                "total_ms": round(self.total_ms, 1) if math.isfinite(self.total_ms) else None,
-                "world": self.plan.world_size,
-                "layout": f"{len(self.plan.pipelines)} pipeline(s) x "
-                          f"{len(self.plan.pipelines[0].stages)} stage(s)"}
+        out = {"strategy": self.strategy, "predicted_iter_ms": round(self.iteration_ms, 3),
+               "transition_ms": round(self.transition_ms, 1),
+               "memory_mib": round(self.memory_bytes / MIB, 1), "feasible": self.feasible,
+               "total_ms": round(self.total_ms, 1) if math.isfinite(self.total_ms) else None,
+               "world": self.plan.world_size, "layout": _layout(self.plan)}
+        if self.switch is not None:
+            s = self.switch
+            out["switch"] = {"strategy": s.strategy, "at_iteration": s.at_iteration,
+                             "predicted_iter_ms": round(s.iteration_ms, 3),
+                             "transition_ms": round(s.transition_ms, 1),
+                             "layout": _layout(s.plan), "world": s.plan.world_size}
+        return out
+
+
+def _layout(plan: ExecutionPlan) -> str:
+    depths = [len(p.stages) for p in plan.pipelines]
+    if len(set(depths)) == 1:
+        return f"{len(depths)} pipeline(s) x {depths[0]} stage(s)"
+    return f"{len(depths)} pipelines of {'+'.join(map(str, depths))} stages"
 
 
 def horizon_iterations(situation: Situation, iteration_ms: float) -> float:
@@ -75,27 +126,42 @@ def horizon_iterations(situation: Situation, iteration_ms: float) -> float:
 def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation: Situation,
                strategies: tuple[str, ...] = STRATEGIES) -> list[Candidate]:
     """Every strategy's plan over the survivors of `plan` without the ranks `lost`, predicted,
-    costed over the horizon, cheapest first (infeasible ones last)."""
+    costed over the horizon, cheapest first (infeasible ones last). The profile's slow ranks
+    are those of `plan`; every strategy numbers the survivors densely in their old order."""
     survivors = plan.world_size - len(lost)
-    out: list[Candidate] = []
     lost_ms = situation.failure_free_ms
-    if "reroute" in strategies:
-        new = reroute(plan, lost)
+    hybrid = "reroute+restart" in strategies
+    rerouted = restarted = None
+    after = profile.for_survivors(lost)
+    if "reroute" in strategies or hybrid:
+        new = reroute(plan, lost, profile.rank_slowdown)
         if new is not None and new.world_size == survivors:
-            out.append(_candidate("reroute", new, profile,
-                                  transition_ms(profile, lost_iterations=1, iteration_ms=lost_ms)))
-    if "restart" in strategies:
-        new = replan(plan, survivors, profile)
-        if new is not None:
-            loaded = max(stage_params(new, r, profile.shape) for r in new.ranks) * \
-                profile.bytes_per_param
+            rerouted = _candidate("reroute", new, after,
+                                  transition_ms(profile, lost_iterations=1, iteration_ms=lost_ms))
+    took = None
+    if "takeover" in strategies:
+        new = takeover(plan, lost, lambda n, first, last: stage_cost_ms(profile, n, first, last))
+        if new is not None and new.world_size == survivors:
+            took = _candidate("takeover", new, after, transition_ms(
+                profile, moved_bytes=moved_bytes(plan, new, lost, profile), lost_iterations=1,
+                iteration_ms=lost_ms))
+    if "restart" in strategies or hybrid:
+        found = _replan(plan, survivors, after)
+        if found is not None:
+            new, pred = found
             lost_its = situation.iteration - situation.checkpoint_iteration
-            out.append(_candidate("restart", new, profile, transition_ms(
-                profile, loaded_bytes=loaded, lost_iterations=lost_its, iteration_ms=lost_ms)))
+            restarted = _candidate("restart", new, after, transition_ms(
+                profile, loaded_bytes=_loaded_bytes(new, profile), lost_iterations=lost_its,
+                iteration_ms=lost_ms), pred)
+    out = [c for c in (rerouted, took, restarted) if c is not None and c.strategy in strategies]
     for c in out:
         if c.feasible:
             c.total_ms = c.transition_ms + horizon_iterations(situation, c.iteration_ms) * \
                 c.iteration_ms
+    if hybrid and rerouted is not None and restarted is not None:
+        both = _hybrid(rerouted, restarted, profile, situation)
+        if both is not None:
+            out.append(both)
     return sorted(out, key=lambda c: (not c.feasible, c.total_ms))
 
 
@@ -103,13 +169,61 @@ def choose(ranked: list[Candidate]) -> Candidate | None:
     return ranked[0] if ranked and ranked[0].feasible else None
 
 
-def _candidate(strategy: str, plan: ExecutionPlan, profile: Profile,
-               transition: float) -> Candidate:
-    schedule = choose_schedule(plan, fuse=False)
-    pred = predict(plan, schedule, profile)
+def _candidate(strategy: str, plan: ExecutionPlan, profile: Profile, transition: float,
+               pred: Prediction | None = None) -> Candidate:
+    """`plan` as a candidate, predicted unless `pred` is its prediction already."""
+    pred = pred or predict_plan(plan, profile)
     fits = profile.device_memory_bytes <= 0 or pred.peak_memory_bytes <= profile.device_memory_bytes
-    return Candidate(strategy, plan, schedule, pred.iteration_ms, transition,
-                     pred.peak_memory_bytes, fits)
+    return Candidate(strategy, plan, pred.iteration_ms, transition, pred.peak_memory_bytes, fits)
+
+
+def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
+                profile: Profile) -> int:
+    """Parameters and Adam moments (12 bytes a parameter) of the layers each survivor holds
+    under `new` but did not under `plan` (survivors numbered densely in their old order)."""
+    survivors = [r for r in plan.ranks if r not in lost]
+    shape = profile.shape
+    total = 0
+    for i, old in enumerate(survivors):
+        was, now = plan.stage_of(old), new.stage_of(i)
+        gained = max(0, was.layer_start - now.layer_start) + max(0, now.layer_end - was.layer_end)
+        extra = gained * shape.layer_params()
+        if new.is_first_stage(i) and not plan.is_first_stage(old):
+            extra += shape.embedding_params()
+        total += 12 * extra // plan.tensor_parallel
+    return total
+
+
+def _loaded_bytes(plan: ExecutionPlan, profile: Profile) -> int:
+    """The checkpoint read of a restart onto `plan`: its largest rank's state."""
+    return max(stage_params(plan, r, profile.shape) for r in plan.ranks) * \
+        profile.bytes_per_param
+
+
+def _hybrid(now: Candidate, then: Candidate, profile: Profile,
+            situation: Situation) -> Candidate | None:
+    """Reroute now (`now`), and restart onto `then`'s plan from the next periodic checkpoint,
+    written after k iterations counted from the interrupted one (run again); None without
+    periodic saves or when the switch would come after the horizon. The horizon is counted at
+    the rerouted speed, as for `now` alone. (A rerouted plan always differs from a re-planned
+    one: it has a stage without ranks.)"""
+    every = situation.save_interval
+    if every <= 0:
+        return None
+    at = -(-situation.iteration // every) * every
+    k = at - situation.iteration + 1
+    horizon = horizon_iterations(situation, now.iteration_ms)
+    if k >= horizon:
+        return None
+    switch = Switch("restart", then.plan, then.iteration_ms,
+                    switch_ms(profile, loaded_bytes=_loaded_bytes(then.plan, profile)), at)
+    both = Candidate("reroute+restart", now.plan, now.iteration_ms, now.transition_ms,
+                     max(now.memory_bytes, then.memory_bytes), now.feasible and then.feasible,
+                     switch=switch)
+    if both.feasible:
+        both.total_ms = now.transition_ms + k * now.iteration_ms + switch.transition_ms + \
+            (horizon - k) * then.iteration_ms
+    return both
 
 
 def replan(plan: ExecutionPlan, survivors: int, profile: Profile) -> ExecutionPlan | None:
@@ -117,30 +231,68 @@ def replan(plan: ExecutionPlan, survivors: int, profile: Profile) -> ExecutionPl
     memory: every pipeline depth and data-parallel width that divides the micro-batches, each
     with its layers balanced (balanced_layers); ties go to restart_plan's order (more ranks,
     then the depth closest to the old one). None when not even one pipeline fits."""
+    found = _replan(plan, survivors, profile)
+    return found[0] if found else None
+
+
+def _replan(plan: ExecutionPlan, survivors: int,
+            profile: Profile) -> tuple[ExecutionPlan, Prediction] | None:
+    """replan's plan and its prediction."""
     tp, old_depth, mbs = plan.tensor_parallel, len(plan.pipelines[0].stages), \
         plan.num_micro_batches
+    device = profile.device_memory_bytes
+    max_depth = min(plan.num_layers, survivors // tp)
     layouts = []
-    for depth in range(1, plan.num_layers + 1):
-        sizes = balanced_layers(plan.num_layers, depth, profile)
-        slowest = max(stage_cost_ms(profile, n, s == 0, s == depth - 1)
-                      for s, n in enumerate(sizes))
+    for depth, sizes in enumerate(balanced_layers_by_depth(plan.num_layers, max_depth,
+                                                           profile), 1):
+        # parameters, gradients and optimizer state alone: a lower bound on the memory
+        state = max(stage_param_count(profile.shape, n, s == 0, s == depth - 1, tp)
+                    for s, n in enumerate(sizes)) * profile.bytes_per_param
+        if device and state > device:
+            continue
         for dp in range(1, survivors // (tp * depth) + 1):
             if mbs % dp == 0:
-                # 1F1B runs every micro-batch through the slowest stage: a lower bound
-                bound = mbs // dp * slowest * profile.sharing(depth * dp * tp)
-                layouts.append((bound, depth, dp, sizes))
-    best: tuple[float, tuple, ExecutionPlan] | None = None
+                layouts.append((_iteration_bound(profile, sizes, dp, mbs // dp, tp),
+                                depth, dp, sizes))
+    best: tuple[float, tuple, ExecutionPlan, Prediction] | None = None
     for bound, depth, dp, sizes in sorted(layouts, key=lambda x: x[0]):
-        if best is not None and bound > best[0]:
+        # the slack keeps a layout whose bound rounds above an equal prediction (a tie)
+        if best is not None and bound > best[0] * (1 + 1e-9):
             break
         new = with_layers(homogeneous(plan, depth, dp), sizes)
-        pred = predict_homogeneous(new, profile)
-        if profile.device_memory_bytes and pred.peak_memory_bytes > profile.device_memory_bytes:
+        pred = predict_plan(new, profile)
+        if device and pred.peak_memory_bytes > device:
             continue
         key = (pred.iteration_ms, (-depth * dp, abs(depth - old_depth), -depth))
         if best is None or key < best[:2]:
-            best = (*key, new)
-    return best[2] if best else None
+            best = (*key, new, pred)
+    return (best[2], best[3]) if best else None
+
+
+def _iteration_bound(profile: Profile, sizes: list[int], dp: int, m: int, tp: int) -> float:
+    """A lower bound on the predicted iteration time of `dp` pipelines whose stages hold `sizes`
+    layers, `m` micro-batches each: a stage starts when the first forward reaches it, then runs
+    all m forwards and backwards, and the gradient of its last backward still passes every
+    earlier stage before the first stage's reduction and optimizer step; each stage also ends
+    with its own. Compute at the speed of the fastest rank (shared cores only slow it)."""
+    p = profile
+    speed = min([1.0, *p.rank_slowdown.values()])
+    msg = p.p2p_alpha_ms + p.p2p_ms_per_mib * p.shape.message_bytes() / MIB
+    reach = back = first_tail = bound = 0.0
+    for s, n in enumerate(sizes):
+        first, last = s == 0, s == len(sizes) - 1
+        fwd = (n * p.layer_fwd_ms + first * p.embedding_fwd_ms + last * p.head_fwd_ms) * speed
+        bwd = (n * (p.layer_bwd_input_ms + p.layer_bwd_weight_ms) + first * p.embedding_bwd_ms
+               + last * p.head_bwd_ms) * speed
+        params = stage_param_count(p.shape, n, first, last, tp)
+        tail = allreduce_ms(p, dp, params * 4) + p.optimizer_ms_per_mparam * params / 1e6 * speed
+        if first:
+            first_tail = tail
+        done = reach + m * (fwd + bwd)
+        bound = max(bound, done + tail, done + back + first_tail)
+        reach += fwd + msg
+        back += bwd + msg
+    return bound + p.iteration_overhead_ms
 
 
 def stage_cost_ms(profile: Profile, layers: int, first: bool, last: bool) -> float:
@@ -154,24 +306,51 @@ def stage_cost_ms(profile: Profile, layers: int, first: bool, last: bool) -> flo
 def balanced_layers(num_layers: int, depth: int, profile: Profile) -> list[int]:
     """Layers per stage (contiguous ranges, each at least one) minimising the costliest stage:
     a dynamic program over (stages used, layers used); ties keep earlier stages smaller."""
+    return balanced_layers_by_depth(num_layers, depth, profile)[-1]
+
+
+def balanced_layers_by_depth(num_layers: int, max_depth: int,
+                             profile: Profile) -> list[list[int]]:
+    """balanced_layers for every depth 1..max_depth. The dynamic program's rows for the stages
+    before the last do not depend on the depth, so they are computed once: O(max_depth x L^2)
+    for all depths rather than for each."""
     inf = math.inf
-    # best[s][n]: the smallest max-stage cost of putting the first n layers on the first s stages
-    best = [[inf] * (num_layers + 1) for _ in range(depth + 1)]
-    cut = [[0] * (num_layers + 1) for _ in range(depth + 1)]
-    best[0][0] = 0.0
-    for s in range(1, depth + 1):
-        last = s == depth
-        for n in range(s, num_layers - (depth - s) + 1):
-            for k in range(s - 1, n):  # stage s holds layers [k, n)
-                c = max(best[s - 1][k], stage_cost_ms(profile, n - k, s == 1, last))
-                if c < best[s][n] - 1e-12:
-                    best[s][n], cut[s][n] = c, k
-    sizes, n = [], num_layers
-    for s in range(depth, 0, -1):
-        k = cut[s][n]
-        sizes.append(n - k)
-        n = k
-    return sizes[::-1]
+    total = num_layers
+    # cost[first][n]: a stage of n layers that is not the last; end[first][n]: one that is
+    cost = [[stage_cost_ms(profile, n, f, False) for n in range(total + 1)] for f in (0, 1)]
+    end = [[stage_cost_ms(profile, n, f, True) for n in range(total + 1)] for f in (0, 1)]
+    # best[s][n]: the smallest max-stage cost of the first n layers on the first s stages (none
+    # of them the last), cut[s][n] where the s-th of them starts; a strict improvement by more
+    # than 1e-12 is needed to move a cut, so ties keep earlier stages smaller
+    best = [[0.0] + [inf] * total]
+    cut = [[0] * (total + 1)]
+    for s in range(1, max_depth):
+        prev, stage = best[s - 1], cost[s == 1]
+        row, row_cut = [inf] * (total + 1), [0] * (total + 1)
+        for n in range(s, total):  # a layer at least is left for the last stage
+            b, at = inf, 0
+            for k in range(s - 1, n):  # this stage holds layers [k, n)
+                c = max(prev[k], stage[n - k])
+                if c < b - 1e-12:
+                    b, at = c, k
+            row[n], row_cut[n] = b, at
+        best.append(row)
+        cut.append(row_cut)
+    out = []
+    for depth in range(1, max_depth + 1):
+        prev, stage = best[depth - 1], end[depth == 1]
+        b, at = inf, 0
+        for k in range(depth - 1, total):
+            c = max(prev[k], stage[total - k])
+            if c < b - 1e-12:
+                b, at = c, k
+        sizes, n = [total - at], at
+        for s in range(depth - 1, 0, -1):
+            k = cut[s][n]
+            sizes.append(n - k)
+            n = k
+        out.append(sizes[::-1])
+    return out
 
 
 def with_layers(plan: ExecutionPlan, sizes: list[int]) -> ExecutionPlan:
@@ -184,3 +363,10 @@ def with_layers(plan: ExecutionPlan, sizes: list[int]) -> ExecutionPlan:
     new = dataclasses.replace(plan, pipelines=pipelines)
     new.validate()
     return new
+
+
+def predicted(strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
+              profile: Profile) -> Candidate:
+    """A forced strategy's plan `new` over the survivors of `plan` without `lost`, predicted
+    (its transition cost is what the recovery measures; none is estimated here)."""
+    return _candidate(strategy, new, profile.for_survivors(lost), 0.0)

@@ -189,7 +189,11 @@ def _places(plan: ExecutionPlan) -> dict[int, tuple[int, int, int, int, int]]:
 
 
 def _replica_groups(plan: ExecutionPlan) -> dict[int, tuple[int, ...]]:
-    """rank -> sorted ranks holding the same layers and tp shard (== plan.replicas, in O(ranks))."""
+    """rank -> sorted ranks holding the same layers and tp shard (== plan.replicas, in O(ranks));
+    in a plan whose pipelines split the layers differently, the ranks its gradient all-reduces
+    (one per segment of layers) chain together: they finish when the last of them does."""
+    if plan.misaligned_stages() is not None:
+        return reduction_components(plan)
     by_key: dict[tuple[int, int, int], list[int]] = {}
     for p in plan.pipelines:
         for st in p.stages:
@@ -201,6 +205,27 @@ def _replica_groups(plan: ExecutionPlan) -> dict[int, tuple[int, ...]]:
         for r in group:
             out[r] = group
     return out
+
+
+def reduction_components(plan: ExecutionPlan) -> dict[int, tuple[int, ...]]:
+    """rank -> the sorted ranks linked to it by sharing a segment of layers (same tp shard)."""
+    parent = {r: r for r in plan.ranks}
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for t in range(plan.tensor_parallel):
+        for a, b in plan.segments():
+            members = plan.segment_ranks(a, b, t)
+            for r in members[1:]:
+                parent[root(r)] = root(members[0])
+    groups: dict[int, list[int]] = {}
+    for r in plan.ranks:
+        groups.setdefault(root(r), []).append(r)
+    return {r: tuple(sorted(g)) for g in groups.values() for r in g}
 
 
 @contextmanager

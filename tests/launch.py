@@ -98,3 +98,9 @@ def assert_close(a: list[float], b: list[float], rel: float = 1e-5) -> None:
     assert len(a) == len(b), f"{len(a)} vs {len(b)} iterations"
     for i, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) <= rel * abs(y), f"iteration {i + 1}: loss {x} vs {y}"
+
+
+def last_losses(events: list[dict]) -> list[float]:
+    """Loss per iteration, the last run of each (a restart runs some iterations again)."""
+    by_it = {e["iteration"]: e["loss"] for e in events if e["event"] == "iteration"}
+    return [by_it[i] for i in sorted(by_it)]

@@ -7,12 +7,19 @@ pipeline (its first and last stage, which share the tied word embeddings). The g
 written into megatron-core's parallel_state globals, so its getters (ranks, sizes, first/last
 stage, groups) and the code that calls them answer for the plan.
 
+A misaligned plan (pipelines that split the layers at different points, plan.misaligned_stages)
+has no whole-stage replica groups: megatron-core's DDP gets this rank alone as its data-parallel
+group, and its gradients are summed by grad_reduction over the groups of reduction_groups()
+instead (the ranks holding each segment of layers, the first stages, the last stages, and the
+holders of either copy of the tied embedding). Aligned plans (homogeneous, uneven, rerouted)
+keep the replica and embedding groups above, unchanged.
+
 Every rank creates every group, in the same order, as torch.distributed.new_group requires.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -44,6 +51,24 @@ class RankGroups:
     # is counted exactly once in any plan.
     representative: bool
     embedding_contributor: bool
+    # A misaligned plan: DDP's group (dp) is this rank alone, and grad_groups are this rank's
+    # gradient-reduction groups, in the global order (reduction_groups), each with its process
+    # group (None where this rank is the group's only member: nothing to sum).
+    misaligned: bool = False
+    grad_groups: list[tuple["ReductionGroup", dist.ProcessGroup | None]] = field(
+        default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReductionGroup:
+    """One gradient all-reduce of a misaligned plan: the gradients of `parts` summed over
+    `ranks` (one tensor-parallel shard). Parts: ("layers", a, b) for the segment of layers
+    [a, b); ("embedding",) the first stages' embeddings (position, and the word embedding when
+    untied); ("final_norm",) the last stages' final norm (and the untied output layer);
+    ("tied",) the tied word embedding, over every rank holding either copy."""
+
+    ranks: tuple[int, ...]
+    parts: tuple[tuple, ...]
 
 
 def _own_stages(p) -> list:
@@ -60,6 +85,11 @@ def _layout(plan: ExecutionPlan, rank: int) -> dict[str, list[int]]:
     pipe = plan.pipelines[pos.pipeline]
     stage = pipe.stages[pos.stage]
     t = pos.tp_rank
+    if plan.misaligned_stages() is not None:
+        # DDP reduces over this rank alone; grad_reduction sums over reduction_groups().
+        return {"tp": list(stage.ranks), "pp": [st.ranks[t] for st in _own_stages(pipe)],
+                "mp": plan.ranks, "dp": [rank], "tp_dp": list(stage.ranks), "embd": [],
+                "single": [rank]}
     embd = next((g for g in embedding_groups(plan, t) if rank in g), [])
     return {
         "tp": list(stage.ranks),
@@ -93,6 +123,23 @@ def embedding_groups(plan: ExecutionPlan, t: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+def reduction_groups(plan: ExecutionPlan, t: int) -> list[ReductionGroup]:
+    """The gradient all-reduces of a misaligned plan for tensor-parallel shard t, in the one
+    global order every rank issues them in: segments by layer index, then the embeddings, the
+    final norm and the tied embedding. Parts with the same ranks share one all-reduce, at the
+    place of the first of them (the order stays one total order, the same on every rank, so no
+    two ranks can wait on each other in opposite orders). Single-rank groups are included
+    (their rank sums nothing)."""
+    parts: dict[tuple[int, ...], list[tuple]] = {}
+    for a, b in plan.segments():
+        parts.setdefault(tuple(plan.segment_ranks(a, b, t)), []).append(("layers", a, b))
+    first, last = plan.first_stage_ranks(t), plan.last_stage_ranks(t)
+    parts.setdefault(tuple(first), []).append(("embedding",))
+    parts.setdefault(tuple(last), []).append(("final_norm",))
+    parts.setdefault(tuple(sorted(set(first) | set(last))), []).append(("tied",))
+    return [ReductionGroup(ranks, tuple(ps)) for ranks, ps in parts.items() if ranks]
+
+
 def embedding_contributor(plan: ExecutionPlan, rank: int, group: list[int]) -> bool:
     firsts = [r for r in group if plan.stage_of(r).layer_start == 0]
     lasts = [r for r in group if plan.stage_of(r).layer_end == plan.num_layers]
@@ -109,6 +156,12 @@ def _group_rank_lists(plan: ExecutionPlan) -> list[tuple[int, ...]]:
             if g and g not in seen:
                 seen.add(g)
                 out.append(g)
+    if plan.misaligned_stages() is not None:
+        for t in range(plan.tensor_parallel):
+            for spec in reduction_groups(plan, t):
+                if len(spec.ranks) > 1 and spec.ranks not in seen:
+                    seen.add(spec.ranks)
+                    out.append(spec.ranks)
     return out
 
 
@@ -120,12 +173,17 @@ def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = Non
     mine = _layout(plan, rank)
     dp_gloo = groups[tuple(mine["dp"])]
     if dist.get_backend() != "gloo":
-        for lr in sorted({tuple(plan.replicas(r)) for r in plan.ranks}):
+        for lr in sorted({tuple(_layout(plan, r)["dp"]) for r in plan.ranks}):
             g = dist.new_group(list(lr), timeout=timeout, backend="gloo")
             if lr == tuple(mine["dp"]):
                 dp_gloo = g
     first = plan.stage_of(rank).layer_start == 0
     embd = mine["embd"]
+    misaligned = plan.misaligned_stages() is not None
+    t = plan.position(rank).tp_rank
+    grad_groups = [(spec, groups[spec.ranks] if len(spec.ranks) > 1 else None)
+                   for spec in (reduction_groups(plan, t) if misaligned else [])
+                   if rank in spec.ranks]
     return RankGroups(
         tp=groups[tuple(mine["tp"])], pp=groups[tuple(mine["pp"])], mp=groups[tuple(mine["mp"])],
         dp=groups[tuple(mine["dp"])], dp_gloo=dp_gloo, tp_dp=groups[tuple(mine["tp_dp"])],
@@ -136,6 +194,7 @@ def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = Non
         embd_ranks=embd, pos_embd_ranks=[rank] if first else [],
         representative=rank == mine["dp"][0],
         embedding_contributor=bool(embd) and embedding_contributor(plan, rank, embd),
+        misaligned=misaligned, grad_groups=grad_groups,
     )
 
 

@@ -17,15 +17,19 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch.distributed as dist
 
-from chameleon_ext import membership
+from chameleon_ext import membership, planner
 from chameleon_ext.faults import Injector
+from chameleon_ext.perf_model import Profile
 from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.planner import Situation
 from chameleon_ext.schedule_ir import Op, OpKind
 from chameleon_ext.strategies.reroute import reroute
 from chameleon_ext.strategies.restart import restart_plan
+from chameleon_ext.strategies.takeover import takeover
 from megatron.elastic import parallel_state
 
 PHASE_OF = {OpKind.FWD: "forward", OpKind.BWD: "backward", OpKind.BWD_INPUT: "backward",
@@ -49,21 +53,34 @@ class NotNeeded(RuntimeError):
 class Outcome:
     plan: ExecutionPlan
     rank: int
-    strategy: str                   # "reroute" (state carried over) or "restart" (checkpoint)
+    strategy: str                   # "restart" (from a checkpoint) or one carrying the state over
     failed: list[int]               # launch ranks lost in this event
     causes: dict[int, str]
     detect_ms: float | None         # death -> first noticed (by a survivor or the agent)
     first_notice: float             # time.time() the first survivor noticed: reconfiguration
                                     # of the job runs from there until its new runtime is built
     old_generation: int
+    decision: dict                  # the leader's published choice (see Recovery._choose)
+
+
+@dataclass
+class Planning:
+    """What the leader of a recovery predicts with: the live profile (`profile(plan,
+    launch_ranks)`: calibrated under `plan`, or None) and the job's situation at the
+    interrupted iteration."""
+
+    profile: Callable[[ExecutionPlan, list[int]], Profile | None]
+    situation: Callable[[int], Situation]
 
 
 @dataclass
 class Recovery:
     backend: str
-    strategy: str = "reroute"       # --chameleon-strategy: reroute (restart where it cannot)
+    strategy: str = "reroute"       # --chameleon-strategy: auto, reroute or takeover (restart
+                                    # where they cannot) or restart
     agree_timeout_s: float = 60.0
     injector: Injector = field(default_factory=lambda: Injector([], 0))
+    planning: "Planning | None" = None
 
     def __post_init__(self) -> None:
         self.store = membership.connect_store()
@@ -145,7 +162,7 @@ class Recovery:
             if ag.leader == self.launch_rank:
                 lost = {self.alive.index(r) for r in failed}
                 self.members.publish(ag.generation, "plan",
-                                     self._choose(plan, lost, len(ag.alive)))
+                                     self._choose(plan, lost, len(ag.alive), iteration))
             try:
                 text = self.members.read(ag.generation, "plan", publisher=ag.leader).decode()
             except membership.PublishTimeout:
@@ -182,18 +199,83 @@ class Recovery:
         return Outcome(new_plan, rank, choice["strategy"], failed,
                        {r: causes.get(r, "failed") for r in failed},
                        1e3 * max(detect) if detect else None, first_notice,
-                       old_generation)
+                       old_generation, choice)
 
-    def _choose(self, plan: ExecutionPlan, lost: set[int], survivors: int) -> str:
-        """The leader's decision, as published: reroute where it absorbs the failure in every
-        rank (tensor-parallel siblings of a lost shard have no place in it), else restart."""
-        new = reroute(plan, lost) if self.strategy == "reroute" else None
-        if new is not None and new.world_size == survivors:
-            return json.dumps({"strategy": "reroute", "plan": new.to_dict()})
-        new = restart_plan(plan, survivors)
+    def _choose(self, plan: ExecutionPlan, lost: set[int], survivors: int,
+                iteration: int) -> str:
+        """The leader's decision, as published (JSON: strategy, plan, the ranked candidates
+        with their predictions, and the switch of a hybrid), or "none".
+
+        `auto` ranks every strategy's candidate with the profile calibrated so far, and
+        `reroute+restart` takes the hybrid where there is one (periodic saves, the next one
+        within the horizon); before any calibration (a failure during the first iterations,
+        no --chameleon-profile), or without a hybrid, they reroute. Forced: reroute (or takeover) where it absorbs the failure in every
+        rank (tensor-parallel siblings of a lost shard have no place in it), else restart; its plan
+        is still predicted when there is a profile, so the log shows predicted beside measured.
+        """
+        profile = self.planning.profile(plan, self.alive) if self.planning else None
+        best = None
+        if self.strategy in ("auto", "reroute+restart") and profile is not None:
+            situation = self.planning.situation(iteration)
+            ranked = planner.candidates(plan, lost, profile, situation,
+                                        planner.STRATEGIES if self.strategy == "auto"
+                                        else (self.strategy,))
+            best = planner.choose(ranked)
+            if best is None and self.strategy == "auto":
+                return "none"
+        if best is not None:
+            return json.dumps({
+                "strategy": best.strategy, "plan": best.plan.to_dict(),
+                "predicted_iter_ms": best.iteration_ms,
+                "switch": None if best.switch is None else {
+                    "strategy": best.switch.strategy, "at_iteration": best.switch.at_iteration,
+                    "plan": best.switch.plan.to_dict(),
+                    "predicted_iter_ms": best.switch.iteration_ms},
+                "candidates": [c.summary() for c in ranked], "profile": profile.source})
+        new, strategy = None, self.strategy
+        if self.strategy in ("reroute", "auto", "reroute+restart"):
+            new, strategy = reroute(plan, lost, profile.rank_slowdown if profile else None), \
+                "reroute"
+        elif self.strategy == "takeover":
+            new = takeover(plan, lost, None if profile is None else
+                           lambda n, first, last: planner.stage_cost_ms(profile, n, first, last))
+        if new is None or new.world_size != survivors:
+            new, strategy = restart_plan(plan, survivors), "restart"
         if new is None:
             return "none"
-        return json.dumps({"strategy": "restart", "plan": new.to_dict()})
+        decision = {"strategy": strategy, "plan": new.to_dict(), "switch": None,
+                    "candidates": [], "profile": None, "predicted_iter_ms": None}
+        if profile is not None:
+            ranked = planner.predicted(strategy, new, plan, lost, profile)
+            decision.update(predicted_iter_ms=ranked.iteration_ms,
+                            candidates=[ranked.summary()], profile=profile.source)
+        return json.dumps(decision)
+
+    def switch(self, new_plan: ExecutionPlan, iteration: int) -> tuple[ExecutionPlan, int]:
+        """A hybrid's planned second step after `iteration` (its checkpoint just written): every
+        rank leaves the current world and the first `new_plan.world_size` of them form the new
+        one, one generation up. Returns (the plan, this rank's rank in it)."""
+        parallel_state.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        ag = self.members.agree(self.generation + 1, self.alive, self.agree_timeout_s)
+        if ag.alive != self.alive:
+            raise Unrecoverable(f"launch rank(s) {sorted(set(self.alive) - set(ag.alive))} lost "
+                                f"while switching plans after iteration {iteration}")
+        ag = dataclasses.replace(ag, alive=ag.alive[:new_plan.world_size])
+        if self.launch_rank not in ag.alive:
+            raise NotNeeded(f"the plan switched to after iteration {iteration} uses "
+                            f"{new_plan.world_size} ranks; launch rank {self.launch_rank} is "
+                            "not among them")
+        if self.members.ready(ag.generation, ag.alive, self.agree_timeout_s):
+            raise Unrecoverable(f"a rank was lost while switching plans after iteration "
+                                f"{iteration}")
+        rank = membership.rebuild_world(self.store, ag, self.launch_rank, self.backend)
+        new_plan.generation = ag.generation
+        with self._alive_lock:
+            self.generation, self.alive = ag.generation, ag.alive
+        return new_plan, rank
 
     def stop(self) -> None:
         self._stopping.set()

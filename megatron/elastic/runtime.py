@@ -18,8 +18,8 @@ from megatron.core.transformer import TransformerConfig
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import OpKind, Schedule, forward_only
-from megatron.elastic import parallel_state, stage_model, state_transfer, wgrad
-from megatron.elastic.schedules import Executor, StageRuntime
+from megatron.elastic import grad_reduction, parallel_state, stage_model, state_transfer, wgrad
+from megatron.elastic.schedules import ComputeClock, Executor, StageRuntime
 
 # model_provider(config, pre_process, post_process) -> megatron-core GPTModel
 ModelProvider = Callable[[TransformerConfig, bool, bool], torch.nn.Module]
@@ -44,6 +44,7 @@ class Built:
     schedule: Schedule
     eval_schedule: Schedule
     groups: parallel_state.RankGroups
+    received_bytes: int = 0           # state this rank got from peers for layers new to it
 
 
 def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
@@ -51,9 +52,11 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
           sched: SchedulerSettings, seed: int, tied_embeddings: bool,
           seq_length: int, get_batch: Callable[[int, int], dict], forward_step, loss_func,
           timeout: timedelta | None = None, timers=None, executor: str = "ir",
+          compute_clock: ComputeClock | None = None,
           carried: state_transfer.CarriedState | None = None) -> Built:
     """`carried`: this rank's parameters, optimizer state and LR schedule under the plan
-    before (after a failure), restored into the new runtime."""
+    before (after a failure), restored into the new runtime; the layers it did not hold
+    come from the peers that do (collective: every rank of the new world passes its state)."""
     schedule = choose_schedule(plan)
     split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
     groups = parallel_state.initialize(plan, rank, timeout)
@@ -67,7 +70,14 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         module, seed=seed, layer_offset=stage.layer_start, pre_process=first,
         total_layers=plan.num_layers, init_std=config.init_method_std, tp_rank=pos.tp_rank,
         tp_size=plan.tensor_parallel, tied_output=tied_embeddings)
-    if not groups.representative:
+    reduction = None
+    if groups.misaligned:
+        # Pipelines split the layers differently: DDP's group is this rank alone, and
+        # grad_reduction sums each segment over its holders (and sets each parameter's shared
+        # flag so that it counts once in the world's grad norm).
+        reduction = grad_reduction.GradReduction.build(plan, rank, module, groups.grad_groups,
+                                                       tied_embeddings)
+    elif not groups.representative:
         for p in module.parameters():
             p.shared = True  # a replica's twin counts these in the global grad norm
     tied = stage_model.mark_tied_output(module)
@@ -98,10 +108,15 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         activation_dtype=config.params_dtype,
         embedding_group=groups.embd if tied is not None else None, tied_weight=tied,
         embedding_contributor=groups.embedding_contributor,
-        before_forward=seeder.at if seeder else None, timers=timers, wgrad=store)
+        before_forward=seeder.at if seeder else None, timers=timers, compute_clock=compute_clock, wgrad=store,
+        grad_reduction=reduction)
+    received = 0
     if carried is not None:
+        received = state_transfer.fetch_missing(
+            carried, state_transfer.named_parameters(rt, tied_embeddings))
         state_transfer.restore(carried, rt, tied_embeddings)
     if executor == "megatron-core":
         from megatron.elastic.mcore_executor import MegatronCoreExecutor
-        return Built(rt, MegatronCoreExecutor(rt), schedule, forward_only(plan), groups)
-    return Built(rt, Executor(rt, schedule), schedule, forward_only(plan), groups)
+        return Built(rt, MegatronCoreExecutor(rt), schedule, forward_only(plan), groups,
+                     received)
+    return Built(rt, Executor(rt, schedule), schedule, forward_only(plan), groups, received)

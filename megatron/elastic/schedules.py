@@ -12,6 +12,7 @@ are summed (not averaged) over replicas, so the update is the same under every p
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,12 +22,15 @@ import torch.distributed as dist
 from chameleon_ext import comm
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import RECV_OF, FusedMessage, Op, OpKind, Schedule
+from megatron.elastic.grad_reduction import GradReduction
 from megatron.elastic.wgrad import WeightGradStore
 
 # forward_step(batch, model) -> output; loss_func(batch, output) -> token-mean loss (scalar)
 ForwardStep = Callable[[dict | None, torch.nn.Module], torch.Tensor]
 LossFunc = Callable[[dict, torch.Tensor], torch.Tensor]
 
+COMPUTE = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_INPUT, OpKind.BWD_WEIGHT,
+                     OpKind.OPT_STEP})
 _TIMER_OF = {
     OpKind.RECV_FWD: "forward-recv", OpKind.FWD: "forward-compute", OpKind.SEND_FWD: "forward-send",
     OpKind.RECV_BWD: "backward-recv", OpKind.BWD: "backward-compute",
@@ -41,6 +45,17 @@ class StepResult:
     loss: float              # global mean loss of the iteration (same on every rank)
     grad_norm: float | None
     update_successful: bool
+
+
+@dataclass
+class ComputeClock:
+    """CPU seconds of a rank's compute ops by timer name, cumulative over its runtimes: on a
+    CPU host, their cost without the other ranks sharing its cores (calibration)."""
+
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.cpu_s[name] = self.cpu_s.get(name, 0.0) + seconds
 
 
 @dataclass
@@ -63,8 +78,15 @@ class StageRuntime:
     embedding_contributor: bool = True  # adds its tied-embedding gradient in its group
     before_forward: Callable[[int, int], None] | None = None  # (iteration, mb): dropout seeding
     before_op: Callable[[Op, int], None] | None = None  # (op, iteration): failure injection
+    # (op, iteration, seconds it took), inside the op's timer: a slowed rank stretches its ops
+    after_op: Callable[[Op, int, float], None] | None = None
     wgrad: WeightGradStore | None = None  # set when the schedule splits backwards
     timers: object | None = None
+    # A misaligned plan's gradient all-reduces (per segment of layers, embeddings, final norm,
+    # tied embedding), run after DDP's, whose group is then this rank alone; None: DDP over
+    # the stage's replicas plus the tied-embedding sum do it all.
+    grad_reduction: GradReduction | None = None
+    compute_clock: ComputeClock | None = None
     first: bool = field(init=False)
     last: bool = field(init=False)
 
@@ -109,20 +131,29 @@ class Executor:
             if rt.before_op:
                 rt.before_op(op, iteration)
             self._started = True
-            timer = rt.timers(_TIMER_OF[op.kind], log_level=2) if rt.timers else None
-            if timer:
-                timer.start()
             if op.kind is OpKind.OPT_STEP:
                 self._check_finished()
                 # The loss sum over the world is the iteration's last collective before any
                 # parameter changes: a rank lost before it fails it on every survivor, so no
-                # survivor steps and the iteration can be run again from its start.
+                # survivor steps and the iteration can be run again from its start. (Outside
+                # the optimizer's timer: it waits for the slowest rank.)
                 loss = self._global_loss()
-                result = self._optimizer_step()
-            else:
-                self._DISPATCH[op.kind](self, op, iteration)
+            timer = rt.timers(_TIMER_OF[op.kind], log_level=2) if rt.timers else None
             if timer:
-                timer.stop()
+                timer.start()
+            began, cpu_began = time.perf_counter(), time.thread_time()
+            try:
+                if op.kind is OpKind.OPT_STEP:
+                    result = self._optimizer_step()
+                else:
+                    self._DISPATCH[op.kind](self, op, iteration)
+                if rt.compute_clock and op.kind in COMPUTE:
+                    rt.compute_clock.add(_TIMER_OF[op.kind], time.thread_time() - cpu_began)
+                if rt.after_op:
+                    rt.after_op(op, iteration, time.perf_counter() - began)
+            finally:  # a failed op must not leave its timer running into the re-run
+                if timer:
+                    timer.stop()
         ok, norm = result
         return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok))
 
@@ -146,7 +177,10 @@ class Executor:
         groups are destroyed (a dropped gloo send is withdrawn before it is delivered)."""
         rt = self.rt
         sends = []
-        ddp_ok = not lost & set(rt.plan.replicas(rt.rank))
+        # DDP's group: the stage's replicas, or this rank alone in a misaligned plan (whose
+        # segment groups are joined one by one below, each only when it has no lost member).
+        ddp_ok = not lost & set([rt.rank] if rt.grad_reduction is not None
+                                else rt.plan.replicas(rt.rank))
         embd_ok = rt.embedding_group is not None and \
             not lost & set(dist.get_process_group_ranks(rt.embedding_group))
         failed_op = ops[self._position] if self._started else None
@@ -167,7 +201,10 @@ class Executor:
                     # The failed op itself, if it is this one: its replica-group part is over.
                     if ddp_ok and op is not failed_op:
                         rt.model.finish_grad_sync()
-                    if embd_ok and not (op is failed_op and self._grads_synced):
+                    if rt.grad_reduction is not None:
+                        rt.grad_reduction.drain(lost, resume=op is failed_op
+                                                and self._grads_synced)
+                    elif embd_ok and not (op is failed_op and self._grads_synced):
                         self._reduce_embedding()
             except RuntimeError:
                 continue
@@ -299,7 +336,10 @@ class Executor:
         self._grads_synced = False
         self.rt.model.finish_grad_sync()
         self._grads_synced = True
-        self._reduce_embedding()
+        if self.rt.grad_reduction is not None:
+            self.rt.grad_reduction.run()  # misaligned plan: sums per segment, in global order
+        else:
+            self._reduce_embedding()
 
     def _reduce_embedding(self) -> None:
         rt = self.rt

@@ -6,8 +6,10 @@ peers blocked on it would wait for the timeout): capture() keeps only tensors an
 
 Parameters and Adam moments are matched by their layout-independent global names, so a rank that
 keeps its layers across a re-plan (rerouting) keeps them bit for bit, whatever was rebuilt around
-them (process groups, DDP buffers, optimizer objects). Layers a rank does not have yet must come
-from a replica (a later issue); asking for them here is an error that names them.
+them (process groups, DDP buffers, optimizer objects). Layers a rank does not have yet (a stage
+that took over a lost neighbour's layers, a re-parallelized plan) come from a rank that holds
+them, by point-to-point over the new world (`fetch_missing`): one packed buffer per pair of ranks
+and dtype, never through disk.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron.elastic import stage_model
 from megatron.elastic.schedules import StageRuntime
@@ -66,12 +69,103 @@ def capture(rt: StageRuntime, tied_embeddings: bool) -> CarriedState:
         scheduler=rt.scheduler.state_dict())
 
 
+def fetch_missing(state: CarriedState, needed: dict[str, torch.Tensor]) -> int:
+    """Collective over the current world: every rank receives, into `state`, the parameters
+    named in `needed` (name -> a tensor of its shape and dtype) that it does not carry, with
+    their optimizer state, each from the lowest rank that carries it. Returns the bytes this
+    rank received."""
+    world = dist.get_world_size()
+    me = dist.get_rank()
+    want = sorted(set(needed) - set(state.params))
+    views: list = [None] * world
+    dist.all_gather_object(views, (sorted(state.params), want))
+    holder: dict[str, int] = {}
+    for r, (held, _) in enumerate(views):
+        for name in held:
+            holder.setdefault(name, r)
+    pairs: dict[tuple[int, int], list[str]] = {}  # (src, dst) -> names, sorted
+    for dst, (_, missing) in enumerate(views):
+        for name in missing:
+            if name not in holder:
+                raise RuntimeError(f"rank {dst} needs {name}, which no surviving rank holds")
+            pairs.setdefault((holder[name], dst), []).append(name)
+    if not pairs:
+        return 0
+    # What each sender's optimizer state looks like, so receivers can size their buffers.
+    layouts: list = [None] * world
+    dist.all_gather_object(layouts, {name: _state_layout(state.optimizer.get(name, {}))
+                                     for (src, _), names in pairs.items() if src == me
+                                     for name in names})
+    handles, incoming = [], []
+    for (src, dst), names in sorted(pairs.items()):
+        if src == me:
+            for flat in _pack([t for name in names for t in _tensors(state, name)]).values():
+                handles.append(dist.isend(flat, dst))
+        elif dst == me:
+            layout = {name: layouts[src][name] for name in names}
+            templates = [t for name in names for t in [needed[name], *_templates(layout[name], needed[name].device)]]
+            buffers = _pack(templates, empty=True)
+            handles += [dist.irecv(flat, src) for flat in buffers.values()]
+            incoming.append((names, layout, templates, buffers))
+    for h in handles:
+        h.wait()
+    received = 0
+    for names, layout, templates, buffers in incoming:
+        received += sum(b.numel() * b.element_size() for b in buffers.values())
+        tensors = iter(_unpack(templates, buffers))
+        for name in names:
+            state.params[name] = next(tensors)
+            state.optimizer[name] = {k: next(tensors) if kind == "tensor" else value
+                                     for k, kind, value in layout[name]}
+    return received
+
+
+def _state_layout(opt: dict) -> list[tuple[str, str, object]]:
+    """(key, "tensor", (shape, dtype)) or (key, "value", the value) for each entry."""
+    return [(k, "tensor", (tuple(v.shape), str(v.dtype).removeprefix("torch.")))
+            if isinstance(v, torch.Tensor) else (k, "value", v) for k, v in sorted(opt.items())]
+
+
+def _templates(layout, device: torch.device) -> list[torch.Tensor]:
+    return [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, kind, v in layout
+            if kind == "tensor" for shape, dtype in [v]]
+
+
+def _tensors(state: CarriedState, name: str) -> list[torch.Tensor]:
+    opt = state.optimizer.get(name, {})
+    return [state.params[name], *(v for _, v in sorted(opt.items())
+                                  if isinstance(v, torch.Tensor))]
+
+
+def _pack(tensors: list[torch.Tensor], empty: bool = False) -> dict[torch.dtype, torch.Tensor]:
+    """One flat buffer per dtype, in the tensors' order (uninitialised when `empty`)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    if empty:
+        return {d: torch.empty(sum(t.numel() for t in ts), dtype=d, device=ts[0].device)
+                for d, ts in sorted(by_dtype.items(), key=lambda x: str(x[0]))}
+    return {d: torch.cat([t.detach().reshape(-1) for t in ts])
+            for d, ts in sorted(by_dtype.items(), key=lambda x: str(x[0]))}
+
+
+def _unpack(templates: list[torch.Tensor], buffers: dict[torch.dtype, torch.Tensor]
+            ) -> list[torch.Tensor]:
+    offsets = {d: 0 for d in buffers}
+    out = []
+    for t in templates:
+        o = offsets[t.dtype]
+        out.append(buffers[t.dtype][o:o + t.numel()].view(t.shape).clone())
+        offsets[t.dtype] = o + t.numel()
+    return out
+
+
 def restore(state: CarriedState, rt: StageRuntime, tied_embeddings: bool) -> None:
     new_params = named_parameters(rt, tied_embeddings)
     missing = sorted(set(new_params) - set(state.params))
     if missing:
         raise RuntimeError(f"rank {rt.rank} lacks {len(missing)} parameters for its new stage "
-                           f"(first: {missing[0]}); moving layers between ranks is not supported")
+                           f"(first: {missing[0]}); fetch_missing() brings them from their holders")
     new_state = optimizer_state(rt, tied_embeddings)
     with torch.no_grad():
         for name, p in new_params.items():

@@ -111,11 +111,25 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="JSON-lines events (iteration, failure, recovery)")
     g.add_argument("--chameleon-plan", default=None,
                    help="run this execution plan (JSON) instead of the homogeneous one")
-    g.add_argument("--chameleon-strategy", choices=("reroute", "restart"), default="reroute",
-                   help="recovery strategy (with --chameleon): reroute (ReCycle-style data "
-                        "rerouting; restart where it cannot absorb a failure) or restart (reload "
-                        "the latest checkpoint of --save, else --load, onto a plan over the "
-                        "survivors; from the initial weights when there is none)")
+    g.add_argument("--chameleon-strategy",
+                   choices=("auto", "reroute", "takeover", "restart", "reroute+restart"),
+                   default="reroute",
+                   help="recovery strategy (with --chameleon): auto (the candidate the "
+                        "performance model, calibrated from this job's timers, predicts "
+                        "cheapest over the horizon), reroute (ReCycle-style data rerouting; "
+                        "restart where it cannot absorb a failure), takeover (Bamboo-style: a "
+                        "neighbour stage of the failed pipeline takes over its layers, their state "
+                        "fetched from a replica), reroute+restart (reroute, then at the next "
+                        "--save-interval checkpoint restart from it onto the re-planned layout) "
+                        "or restart (reload the latest "
+                        "checkpoint of --save, else --load, onto a plan over the survivors; from "
+                        "the initial weights when there is none)")
+    g.add_argument("--chameleon-mtbf", type=float, default=None, metavar="HOURS",
+                   help="mean time between failures, for the planner's horizon (default: the "
+                        "failure rate observed in this job, else the iterations left)")
+    g.add_argument("--chameleon-profile", default=None, metavar="PATH",
+                   help="performance-model profile (JSON, e.g. from tools/profile_model.py) to "
+                        "plan with until this job's own timers have calibrated one")
     g.add_argument("--chameleon-inject", action="append", default=[], metavar="SPEC",
                    help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward (repeatable; "
                         "kinds kill, exit, hang, slow; phases forward, backward, grad-reduce, "
@@ -217,6 +231,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         except FaultSpecError as e:
             raise ArgumentError(f"--chameleon-inject {spec!r}: {e}") from None
     need(args.chameleon_comm_timeout > 0, "--chameleon-comm-timeout must be positive")
+    need(args.chameleon_mtbf is None or args.chameleon_mtbf > 0,
+         "--chameleon-mtbf must be positive (hours)")
+    if args.chameleon_profile is not None:
+        need(Path(args.chameleon_profile).is_file(),
+             f"--chameleon-profile {args.chameleon_profile}: no such file")
 
     cuda = _cuda_available()
     if args.distributed_backend is None:

@@ -10,19 +10,23 @@ import random
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from chameleon_ext.perf_model import ProfileError
 from chameleon_ext.plan import ExecutionPlan, PlanError
 from chameleon_ext import comm, membership
 from chameleon_ext.message_fusion import message_count
 from chameleon_ext.schedule_ir import OpKind
 from chameleon_ext.faults import FaultSpecError, Injector, parse_injects
 from megatron.elastic import cpu_compat, runtime, state_transfer
-from megatron.elastic.recovery import NotNeeded, Recovery, Unrecoverable
-from megatron.training import checkpointing
+from megatron.elastic.calibration import LiveCalibration
+from megatron.elastic.schedules import ComputeClock
+from megatron.elastic.recovery import PHASE_OF, NotNeeded, Planning, Recovery, Unrecoverable
+from megatron.training import checkpointing, planning
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.data import DataError, MicroBatchLoader
 from megatron.training.metrics import MetricsFile, Stopwatch, Tensorboard, iteration_line
@@ -96,12 +100,8 @@ def make_plan(args, world: int) -> ExecutionPlan:
             raise PlanError("plan's tensor_parallel differs from --tensor-model-parallel-size")
         if plan.micro_batch_size != args.micro_batch_size:
             raise PlanError("plan's micro_batch_size differs from --micro-batch-size")
-        clash = plan.misaligned_stages()
-        if clash:
-            a, b = clash
-            raise PlanError(f"stages with layers [{a.layer_start}, {a.layer_end}) and "
-                            f"[{b.layer_start}, {b.layer_end}) overlap: every pipeline must split "
-                            "the layers at the same points")
+        # Pipelines may split the layers at different points (misaligned stages): their
+        # gradients are then summed per segment of layers (megatron.elastic.grad_reduction).
         args.global_batch_size = plan.global_batch_size
         return plan
     return ExecutionPlan.failure_free(world, args.tensor_model_parallel_size,
@@ -129,8 +129,23 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
 
     rank, world = initialize_distributed(args)
     cpu_compat.apply()
-    recovery = (Recovery(args.distributed_backend, strategy=args.chameleon_strategy,
-                         injector=injector) if args.chameleon else None)
+    from megatron.core.timers import Timers
+    # Calibration reads the executor's per-op timers (level 2) whether or not they are logged.
+    timers = Timers(max(args.timing_log_level, 2) if args.chameleon else args.timing_log_level,
+                    "minmax")
+    recovery = calibration = clock = None
+    compute_clock = ComputeClock()
+    if args.chameleon:
+        try:
+            base = planning.base_profile(args, args.distributed_backend == "nccl")
+        except ProfileError as e:
+            _fail(str(e))
+        recovery = Recovery(args.distributed_backend, strategy=args.chameleon_strategy,
+                            injector=injector)
+        calibration = LiveCalibration(recovery.members.store, recovery.launch_rank, timers,
+                                      base, compute_clock)
+        clock = planning.JobClock(args)
+        recovery.planning = Planning(calibration.profile, clock.situation)
     try:
         train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, tokenizer)
     except DataError as e:
@@ -139,8 +154,6 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     valid_loader = (MicroBatchLoader(valid_ds, plan.micro_batch_size, plan.num_micro_batches)
                     if valid_ds is not None and args.eval_interval else None)
 
-    from megatron.core.timers import Timers
-    timers = Timers(args.timing_log_level, "minmax")
     tied = not args.untie_embeddings_and_output_weights
     comm_timeout = timedelta(seconds=args.chameleon_comm_timeout) if args.chameleon else None
 
@@ -155,8 +168,11 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             seed=args.seed, tied_embeddings=tied, seq_length=args.seq_length,
             get_batch=train_loader.get, forward_step=forward_step, loss_func=loss_func,
             timeout=comm_timeout, timers=timers, executor=args.chameleon_executor,
-            carried=carried)
+            carried=carried, compute_clock=compute_clock)
         built.runtime.before_op = recovery.before_op if recovery else None
+        built.runtime.after_op = _slowed(injector) if injector.has_slow() else None
+        if calibration:
+            calibration.start(plan, rank, built.schedule.ops[rank])
         return built
 
     # Everything made so far (imports, data, tokenizer) lives for the whole job: out of the
@@ -204,6 +220,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     events: list[tuple[int, int]] = []  # (index into times where a recovery happened, generation)
     skipped = 0
     strategy = "none"
+    check: planning.PredictionCheck | None = None
+    switch: dict | None = None  # a hybrid's second step: {"at_iteration", "plan", ...}
     it = start + 1
     while it <= args.train_iters:
         injector.maybe_fire(it, "between-iterations")
@@ -224,14 +242,11 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             try:
                 out = recovery.recover(plan, it, noticed)
             except NotNeeded as why:
-                print(f"> leaving the job at iteration {it}: {why}", flush=True)
-                metrics.close()
-                tb.close()
-                recovery.stop()
-                return {}
+                return _leave(it, why, metrics, tb, recovery)
             except (Unrecoverable, membership.MembershipError) as why:
                 _fail(f"cannot recover in-process at iteration {it}: {why}")
             plan, rank = out.plan, out.rank
+            switch = out.decision.get("switch")
             if out.strategy == "restart":
                 del carried  # a checkpoint, not this rank's state, is the truth now
                 built = build(plan, rank)
@@ -240,12 +255,17 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                 built = build(plan, rank, carried=carried)
                 del carried
                 resume = it - 1
+            moved = _world_sum(built.received_bytes)
             strategy = out.strategy
             events.append((len(times), plan.generation))
             if rank == 0:
                 reconfigure_ms = 1e3 * (time.time() - out.first_notice)
                 _report_recovery(metrics, bar, out, it, plan, error, times, resume, reconfigure_ms,
-                                 built.schedule)
+                                 built.schedule, moved)
+                calibration.measured_transition(out.detect_ms, reconfigure_ms)
+                predicted = out.decision.get("predicted_iter_ms")
+                check = planning.PredictionCheck(predicted, it, out.strategy) if predicted \
+                    else None
             if bar:
                 bar.n = resume
                 bar.refresh()
@@ -256,6 +276,12 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         skipped += 0 if res.update_successful else 1
         losses.append(res.loss)
         times.append(ms)
+        if calibration:
+            calibration.after_iteration(ms)
+            clock.iteration_ms.append(ms)
+        if check and check.add(ms):
+            _report_prediction(metrics, bar, check)
+            check = None
         if not math.isfinite(res.loss):
             _fail(f"loss is {res.loss} at iteration {it}")
         tps = tokens_per_iter / (ms / 1e3)
@@ -286,6 +312,33 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             watch.lap_ms()
         if args.save and args.save_interval and it % args.save_interval == 0:
             _save(args, built.runtime, it, tied, model_meta, bar, rank)
+            if calibration and rank == 0:
+                _save_profile(args, calibration, plan, recovery.alive)
+            watch.lap_ms()
+        if switch and it == switch["at_iteration"]:
+            del built
+            try:
+                plan, rank = recovery.switch(ExecutionPlan.from_dict(switch["plan"]), it)
+            except NotNeeded as why:
+                return _leave(it, why, metrics, tb, recovery)
+            except (Unrecoverable, membership.MembershipError) as why:
+                _fail(f"cannot switch plans at iteration {it}: {why}")
+            built = build(plan, rank)
+            _load_for_restart(args, built.runtime, tied, model_meta)
+            strategy = switch["strategy"]
+            events.append((len(times), plan.generation))
+            _write(bar, rank, f"> switched at iteration {it} to the {switch['strategy']} plan: "
+                              f"pipeline {len(plan.pipelines[0].stages)} x data "
+                              f"{len(plan.pipelines)} on {plan.world_size} ranks, generation "
+                              f"{plan.generation}, from the checkpoint of iteration {it}")
+            if rank == 0:
+                if check and check.result():
+                    _report_prediction(metrics, bar, check)
+                metrics.write("switch", iteration=it, strategy=switch["strategy"],
+                              generation=plan.generation, world=plan.world_size)
+                check = planning.PredictionCheck(switch["predicted_iter_ms"], it,
+                                                 switch["strategy"])
+            switch = None
             watch.lap_ms()
         if bar:
             bar.update(1)
@@ -293,9 +346,13 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         it += 1
     if bar:
         bar.close()
+    if check and check.result():
+        _report_prediction(metrics, None, check)
     last = args.train_iters
     if args.save and last > start and not (args.save_interval and last % args.save_interval == 0):
         _save(args, built.runtime, last, tied, model_meta, None, rank)
+        if calibration and rank == 0:
+            _save_profile(args, calibration, plan, recovery.alive)
     if args.chameleon:
         _check_replicas(built.runtime, tied, rank, metrics, bar)
     summary = _summary(rank, plan, args, start, losses, times, tokens_per_iter, events)
@@ -346,23 +403,47 @@ def _schedule_line(schedule) -> str:
             f"{messages} point-to-point messages per iteration, {packed} of them packed")
 
 
+def _leave(it: int, why: NotNeeded, metrics, tb, recovery) -> dict:
+    """A survivor the new plan has no place for: it closes its logs and exits cleanly."""
+    print(f"> leaving the job at iteration {it}: {why}", flush=True)
+    metrics.close()
+    tb.close()
+    recovery.stop()
+    return {}
+
+
+def _world_sum(n: int) -> int:
+    t = torch.tensor([n], dtype=torch.int64,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 def _report_recovery(metrics, bar, out, it, plan, error: str, times, resume: int,
-                     reconfigure_ms: float, schedule) -> None:
+                     reconfigure_ms: float, schedule, moved_bytes: int) -> None:
     cause = ", ".join(f"rank {r}: {c}" for r, c in out.causes.items())
     before = sorted(times[-10:])[len(times[-10:]) // 2] if times else None
     metrics.write("failure", generation=out.old_generation, ranks=out.failed,
                   cause=",".join(sorted(set(out.causes.values()))),
                   detect_ms=None if out.detect_ms is None else round(max(out.detect_ms, 0.0), 1))
     lost = it - resume
+    decision = out.decision
     metrics.write("recovery", generation=plan.generation, strategy=out.strategy,
-                  candidates=[{"strategy": out.strategy, "predicted_iter_ms": None,
-                               "transition_ms": round(reconfigure_ms, 1)}],
+                  candidates=decision["candidates"], profile=decision["profile"],
+                  predicted_iter_ms=decision["predicted_iter_ms"], switch=None if not
+                  decision["switch"] else {k: v for k, v in decision["switch"].items()
+                                           if k != "plan"},
                   reconfigure_ms=round(reconfigure_ms, 1), lost_iterations=lost,
-                  resume_iteration=resume + 1, world=plan.world_size)
+                  resume_iteration=resume + 1, world=plan.world_size, moved_bytes=moved_bytes)
     if out.strategy == "restart":
         what = (f"checkpoint of iteration {resume}" if resume else "no checkpoint: the initial "
                 "weights") + (f" loaded onto pipeline {len(plan.pipelines[0].stages)} x data "
                               f"{len(plan.pipelines)}")
+    elif out.strategy == "takeover":
+        what = "; ".join(f"pipeline {pi} now {len(p.stages)} stage(s): " + ", ".join(
+            f"layers [{st.layer_start}, {st.layer_end}) on rank(s) {st.ranks}" for st in p.stages)
+            for pi, p in enumerate(plan.pipelines)) + f"; {moved_bytes / 2**20:.2f} MiB of " \
+            "parameters and optimizer state moved from replicas"
     else:
         what = "; ".join(f"micro-batch(es) of pipeline {pi} stage {si} now on rank(s) "
                          f"{sorted({r for rs in st.hosts.values() for r in rs})}"
@@ -379,8 +460,40 @@ def _report_recovery(metrics, bar, out, it, plan, error: str, times, resume: int
         f"({lost} iteration(s) lost)"
         + (f" (before: {before:.1f} ms/iteration)" if before else ""),
     ]
+    for c in decision["candidates"]:
+        chosen = "  <- chosen" if c["strategy"] == out.strategy else ""
+        lines.append(
+            f"  candidate {c['strategy']:<16} {c['layout']:<28} predicted "
+            f"{c['predicted_iter_ms']:8.1f} ms/iteration, transition {c['transition_ms']:8.1f} ms, "
+            f"memory {c['memory_mib']:8.1f} MiB" + ("" if c["feasible"] else ", DOES NOT FIT")
+            + chosen)
+    if decision["switch"]:
+        sw = decision["switch"]
+        lines.append(f"  then {sw['strategy']} after the checkpoint of iteration "
+                     f"{sw['at_iteration']} (predicted {sw['predicted_iter_ms']:.1f} ms/iteration)")
     for line in lines:
         _write(bar, 0, line)
+
+
+def _report_prediction(metrics, bar, check) -> None:
+    metrics.write("prediction", **check.result())
+    _write(bar, 0, check.line())
+
+
+def _save_profile(args, calibration, plan, launch_ranks) -> None:
+    """The live profile beside the checkpoints (loadable with --chameleon-profile)."""
+    profile = calibration.profile(plan, launch_ranks)
+    if profile is not None:
+        profile.save(Path(args.save) / "profile.json")
+
+
+def _slowed(injector: Injector):
+    """after_op of a rank with a `slow` fault: its compute ops take `factor` times as long."""
+    def after_op(op, iteration: int, elapsed_s: float) -> None:
+        phase = PHASE_OF.get(op.kind)
+        if phase and op.kind is not OpKind.REDUCE_GRADS:
+            injector.maybe_fire(iteration + 1, phase, elapsed_s=elapsed_s)
+    return after_op
 
 
 _OP_TIMERS = ("forward-recv", "forward-compute", "forward-send", "backward-recv",

@@ -4,7 +4,7 @@ every iteration with the failure-free losses."""
 
 import pytest
 
-from tests.launch import SMALL_MODEL, assert_close, run_chameleon, run_job
+from tests.launch import SMALL_MODEL, assert_close, last_losses, run_chameleon, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -67,12 +67,6 @@ def test_kill_at_iteration_5_keeps_the_loss_trajectory(references, small_data, t
     # detection within the issue's 1 s; reconfiguration far below the training groups' 5 s
     # timeout (a survivor left waiting on a collective would show here)
     assert failure[0]["detect_ms"] < 1000 and recovery[0]["reconfigure_ms"] < 2500
-
-
-def last_losses(events: list[dict]) -> list[float]:
-    """Loss per iteration, the last run of each (a restart runs some iterations again)."""
-    by_it = {e["iteration"]: e["loss"] for e in events if e["event"] == "iteration"}
-    return [by_it[i] for i in sorted(by_it)]
 
 
 def test_without_a_surviving_replica_the_job_restarts_from_its_checkpoint(small_data, tmp_path):

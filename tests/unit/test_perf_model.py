@@ -6,11 +6,14 @@ import json
 
 import pytest
 
+from chameleon_ext import perf_model
 from chameleon_ext.perf_model import (MIB, ModelShape, Profile, ProfileError, allreduce_ms,
-                                      analytical_profile, fit_layer_costs, predict, stage_params,
-                                      transition_ms)
+                                      analytical_profile, fit_layer_costs, predict, predict_plan,
+                                      stage_params, switch_ms, transition_ms)
 from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import one_f_one_b
+from chameleon_ext.strategies.reroute import reroute
 from tests.profiles import synthetic_profile
 
 SHAPE = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -41,10 +44,18 @@ def test_message_latency_is_paid_by_a_waiting_receiver():
     assert predict(plan, one_f_one_b(plan), profile(p2p_alpha_ms=0.5)).iteration_ms == 13.0
 
 
-def test_ranks_sharing_cores_compute_slower():
+def test_ranks_sharing_cores_compute_slower_while_both_compute():
+    """Pipeline 2 on one core: each rank's ops stretch while the other computes too, so the
+    iteration lies between the work of both on one core (16 ms) and everything at half speed
+    (24 ms); on two cores nothing stretches. A lone rank on half a core takes twice as long."""
     plan = pp2()
-    assert predict(plan, one_f_one_b(plan), profile(cores=1.0)).iteration_ms == 24.0
+    shared = predict(plan, one_f_one_b(plan), profile(cores=1.0)).iteration_ms
+    assert 16.0 <= shared < 24.0
     assert predict(plan, one_f_one_b(plan), profile(cores=2.0)).iteration_ms == 12.0
+    one = ExecutionPlan.failure_free(1, 1, 1, 4, 2, 4)
+    alone = predict(one, one_f_one_b(one), profile()).iteration_ms
+    assert predict(one, one_f_one_b(one), profile(cores=0.5)).iteration_ms == \
+        pytest.approx(2 * alone)
 
 
 def test_overhead_and_optimizer_add_to_the_iteration():
@@ -129,3 +140,55 @@ def test_fit_recovers_layer_and_head_costs():
               (1, False, True, (1 + ratio) * 0.7)]
     layer, head = fit_layer_costs(stages, SHAPE)
     assert layer == pytest.approx(0.7) and head == pytest.approx(0.7 * ratio)
+
+
+def test_a_planned_switch_costs_the_rebuild_and_the_read_only():
+    prof = profile(detect_ms=10.0, rebuild_ms=100.0, load_ms_per_mib=5.0)
+    assert switch_ms(prof, loaded_bytes=2 * MIB) == 110.0
+
+
+# (world, tensor parallel, pipeline depth, global batch, lost ranks, ranks simulated):
+# failure_free numbers rank t + tp (d + dp s) for shard t of pipeline d's stage s (pp 4 x dp 4:
+# rank 5 is pipeline 1's stage 1); a global batch of 2 x dp gives each pipeline one micro-batch.
+REROUTED = [
+    (6, 1, 2, 6, {1}, 5),            # pp 2 x dp 3: a first stage; its one untouched pipeline
+    (16, 1, 4, 8, {5}, 11),          # pp 4 x dp 4: a middle stage; one of two untouched left out
+    (16, 1, 4, 8, {15}, 11),         # a last stage
+    (16, 1, 4, 8, {1, 9}, 10),       # two stages of one pipeline, hosted by one other
+    (16, 1, 4, 8, {0, 7}, 14),       # two pipelines, and a third hosts: one untouched
+    (16, 1, 4, 16, {2, 6, 11}, 13),  # three failures, two in one pipeline, two micro-batches each
+    (16, 1, 2, 32, {3}, 7),          # pp 2 x dp 8, two micro-batches each: two hosts
+    (16, 1, 2, 16, {3, 4, 12}, 7),   # a pipeline without any rank left
+    (16, 2, 2, 8, {3}, 5),           # tp 2 x pp 2 x dp 4: one shard of each stage simulated
+    (16, 2, 2, 8, set(), 2),         # nothing lost: one shard of one pipeline
+]
+
+
+@pytest.mark.parametrize("world, tp, depth, batch, lost, simulated_ranks", REROUTED)
+def test_predict_plan_equals_the_whole_plans_prediction(world, tp, depth, batch, lost,
+                                                        simulated_ranks, monkeypatch):
+    """Only the rerouted pipelines, their hosts and one untouched pipeline of each kind are
+    simulated, one tensor-parallel shard of each stage, with every reduction costed for its
+    whole group: the same time and memory."""
+    plan = reroute(ExecutionPlan.failure_free(world, tp, depth, 4, 2, batch), lost)
+    simulate = perf_model.simulate
+    simulated = []
+
+    def counting(plan, schedule, costs, **kw):
+        simulated.append(len(schedule.ops))
+        return simulate(plan, schedule, costs, **kw)
+
+    # slow ranks 2 and 9 make their pipelines kinds of their own
+    for prof in (profile(p2p_alpha_ms=0.1, allreduce_alpha_ms=0.05, allreduce_ms_per_mib=0.5,
+                         embedding_fwd_ms=0.2, embedding_bwd_ms=0.3, head_fwd_ms=0.7,
+                         head_bwd_ms=1.1, optimizer_ms_per_mparam=2.0,
+                         iteration_overhead_ms=1.5),
+                 profile(allreduce_alpha_ms=0.05, rank_slowdown={2: 1.5, 9: 1.25})):
+        whole = predict(plan, choose_schedule(plan, fuse=False), prof)
+        monkeypatch.setattr(perf_model, "simulate", counting)
+        fast = predict_plan(plan, prof)
+        monkeypatch.setattr(perf_model, "simulate", simulate)
+        assert fast.iteration_ms == whole.iteration_ms
+        assert fast.memory_bytes == whole.memory_bytes
+        assert fast.bubble_fraction == pytest.approx(whole.bubble_fraction, rel=1e-9)
+    assert simulated[0] == simulated_ranks

@@ -223,3 +223,33 @@ def test_misaligned_stages_are_found():
     assert plan([[0, 1, 4], [0, 1, 4]]).misaligned_stages() is None
     a, b = plan([[0, 2, 4], [0, 1, 4]]).misaligned_stages()
     assert (a.layer_start, a.layer_end, b.layer_start, b.layer_end) == (0, 1, 0, 2)
+
+
+def test_segments_of_aligned_plan_are_its_stages():
+    plan = ExecutionPlan.failure_free(8, 2, 2, 4, 1, 4)
+    assert plan.segments() == [(0, 2), (2, 4)]
+    assert plan.segment_ranks(0, 2, 1) == plan.replicas(1) == [1, 3]
+    assert plan.first_stage_ranks(0) == [0, 2] and plan.last_stage_ranks(1) == [5, 7]
+
+
+def test_segments_of_misaligned_plan_cut_at_every_boundary():
+    plan = ExecutionPlan(4, 1, 1, 2, [Pipeline([Stage(0, 1, [0]), Stage(1, 4, [1])], [0]),
+                                      Pipeline([Stage(0, 3, [2]), Stage(3, 4, [3])], [1])])
+    plan.validate()
+    assert plan.segments() == [(0, 1), (1, 3), (3, 4)]
+    assert [plan.segment_ranks(a, b, 0) for a, b in plan.segments()] == [[0, 2], [1, 2], [1, 3]]
+    assert plan.first_stage_ranks(0) == [0, 2] and plan.last_stage_ranks(0) == [1, 3]
+    one = ExecutionPlan(4, 1, 1, 2, [Pipeline([Stage(0, 2, [0]), Stage(2, 4, [1])], [0]),
+                                     Pipeline([Stage(0, 4, [2])], [1])])
+    assert one.segments() == [(0, 2), (2, 4)]
+    assert one.segment_ranks(2, 4, 0) == [1, 2]
+    assert one.first_stage_ranks(0) == [0, 2] and one.last_stage_ranks(0) == [1, 2]
+
+
+def test_segment_ranks_leave_out_a_stage_without_ranks():
+    plan = _two_pipelines(pipelines=[
+        Pipeline([Stage(0, 2, [0]), Stage(2, 4, [2])], [0, 1]),
+        Pipeline([Stage(0, 2, [1]), Stage(2, 4, [], hosts={2: [2], 3: [2]})], [2, 3])])
+    plan.validate()
+    assert plan.segments() == [(0, 2), (2, 4)]
+    assert plan.segment_ranks(2, 4, 0) == [2] and plan.last_stage_ranks(0) == [2]

@@ -4,10 +4,13 @@ import dataclasses
 
 import pytest
 
-from chameleon_ext.perf_model import ModelShape, Profile, predict, predict_homogeneous
+from chameleon_ext.perf_model import (ModelShape, Profile, predict, predict_homogeneous,
+                                      predict_plan, switch_ms, transition_ms)
 from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.planner import (Situation, balanced_layers, candidates, choose, replan,
-                                   stage_cost_ms)
+from chameleon_ext.planner import (Situation, _iteration_bound, balanced_layers,
+                                   balanced_layers_by_depth, candidates, choose, replan,
+                                   stage_cost_ms, with_layers)
+from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import one_f_one_b
 from chameleon_ext.strategies.restart import homogeneous, restart_plan
 from tests.profiles import synthetic_profile
@@ -29,7 +32,8 @@ def pp2_dp4() -> ExecutionPlan:
 
 def test_reroute_when_the_checkpoint_is_old_and_the_horizon_short():
     ranked = candidates(pp2_dp4(), {7}, synthetic(), Situation(
-        iteration=100, checkpoint_iteration=50, remaining_iterations=20, failure_free_ms=60.0))
+        iteration=100, checkpoint_iteration=50, remaining_iterations=20, failure_free_ms=60.0),
+        ("reroute", "restart"))
     assert [c.strategy for c in ranked] == ["reroute", "restart"]
     assert choose(ranked).strategy == "reroute"
 
@@ -63,12 +67,12 @@ def test_a_plan_over_the_memory_limit_is_never_chosen():
     plan, prof = pp2_dp4(), synthetic()
     situation = Situation(iteration=100, checkpoint_iteration=50, remaining_iterations=20,
                           failure_free_ms=60.0)
-    ranked = candidates(plan, {7}, prof, situation)
+    ranked = candidates(plan, {7}, prof, situation, ("reroute", "restart"))
     reroute = next(c for c in ranked if c.strategy == "reroute")
     restart = next(c for c in ranked if c.strategy == "restart")
     assert reroute.memory_bytes > restart.memory_bytes  # hosts keep more activations in flight
     tight = dataclasses.replace(prof, device_memory_bytes=restart.memory_bytes)
-    ranked = candidates(plan, {7}, tight, situation)
+    ranked = candidates(plan, {7}, tight, situation, ("reroute", "restart"))
     assert [(c.strategy, c.feasible) for c in ranked] == [("restart", True), ("reroute", False)]
     assert choose(ranked).strategy == "restart"
     none_fits = dataclasses.replace(prof, device_memory_bytes=1)
@@ -108,6 +112,152 @@ def test_replan_finds_the_fastest_layout():
     assert replan(plan, 0, prof) is None
 
 
+def test_balanced_layers_for_every_depth_minimise_the_costliest_stage():
+    from itertools import combinations
+    for prof in (synthetic(), synthetic(head_fwd_ms=3.0, head_bwd_ms=2.0, embedding_fwd_ms=1.5)):
+        by_depth = balanced_layers_by_depth(8, 8, prof)
+        for depth, sizes in enumerate(by_depth, 1):
+            assert sizes == balanced_layers(8, depth, prof) and sum(sizes) == 8
+            splits = [[b - a for a, b in zip((0, *cuts), (*cuts, 8))]
+                      for cuts in combinations(range(1, 8), depth - 1)]
+            assert worst(prof, sizes) == min(worst(prof, s) for s in splits)
+
+
+def worst(prof: Profile, sizes: list[int]) -> float:
+    return max(stage_cost_ms(prof, n, i == 0, i == len(sizes) - 1) for i, n in enumerate(sizes))
+
+
+def costly() -> Profile:
+    return synthetic(head_fwd_ms=2.0, head_bwd_ms=3.0, embedding_fwd_ms=0.5,
+                     optimizer_ms_per_mparam=0.5, p2p_ms_per_mib=0.3, allreduce_ms_per_mib=0.5,
+                     iteration_overhead_ms=2.0)
+
+
+def test_the_search_bound_never_exceeds_a_prediction():
+    """Beyond rounding (the bound is often the prediction, summed in another order)."""
+    plan = ExecutionPlan.failure_free(16, 1, 2, 8, 1, 32)
+    for prof in (synthetic(), costly(), synthetic(rank_slowdown={0: 0.5, 3: 2.0})):
+        for depth, sizes in enumerate(balanced_layers_by_depth(8, 8, prof), 1):
+            for dp in (1, 2, 4, 8, 16):
+                if depth * dp <= 16:
+                    new = with_layers(homogeneous(plan, depth, dp), sizes)
+                    assert _iteration_bound(prof, sizes, dp, 32 // dp, 1) <= \
+                        predict_plan(new, prof).iteration_ms * (1 + 1e-12)
+
+
+def whole_prediction(plan: ExecutionPlan, prof: Profile):
+    return predict(plan, choose_schedule(plan, fuse=False), prof)
+
+
+def exhaustive_replan(plan: ExecutionPlan, survivors: int, prof: Profile) -> ExecutionPlan:
+    """Every layout replan considers, each predicted whole."""
+    best = None
+    for depth in range(1, plan.num_layers + 1):
+        for dp in range(1, survivors // depth + 1):
+            if plan.num_micro_batches % dp == 0:
+                new = with_layers(homogeneous(plan, depth, dp),
+                                  balanced_layers(plan.num_layers, depth, prof))
+                pred = whole_prediction(new, prof)
+                if prof.device_memory_bytes and \
+                        pred.peak_memory_bytes > prof.device_memory_bytes:
+                    continue
+                key = (pred.iteration_ms,
+                       (-depth * dp, abs(depth - len(plan.pipelines[0].stages)), -depth))
+                if best is None or key < best[0]:
+                    best = (key, new)
+    return best[1]
+
+
+@pytest.mark.parametrize("depth, dp, lost", [
+    (2, 3, {1}), (2, 3, {0, 5}), (4, 4, {5}), (4, 4, {15}), (4, 4, {1, 9}),
+    (4, 4, {0, 7, 14})])
+def test_candidates_are_predicted_as_whole_plans_and_the_search_as_exhaustive(depth, dp, lost):
+    """pp 2 x dp 3 and pp 4 x dp 4 (rank d + dp s is pipeline d's stage s: first and last
+    stages, two failures in one pipeline, three in three): the fast predictions are the whole
+    plans', and the pruned layout search finds what predicting every layout finds."""
+    situation = Situation(iteration=100, checkpoint_iteration=50, remaining_iterations=1000,
+                          failure_free_ms=60.0)
+    for batch in (dp, 4 * dp):
+        plan = ExecutionPlan.failure_free(depth * dp, 1, depth, 8, 1, batch)
+        for prof in (synthetic(), costly()):
+            ranked = candidates(plan, lost, prof, situation)
+            assert {c.strategy for c in ranked} == {"reroute", "takeover", "restart"}
+            for c in ranked:
+                whole = whole_prediction(c.plan, prof)
+                assert (c.iteration_ms, c.memory_bytes) == (whole.iteration_ms,
+                                                            whole.peak_memory_bytes)
+            restart = next(c for c in ranked if c.strategy == "restart")
+            assert restart.plan == exhaustive_replan(plan, plan.world_size - len(lost), prof)
+            assert choose(ranked) is ranked[0]
+
+
+def pp4_dp2_losing_a_middle_stage(**situation) -> list:
+    """Reroute doubles a replica's work; the re-planned 2 x 3 layout is faster."""
+    return candidates(pp4_dp2(), {5}, synthetic(), Situation(**{
+        "iteration": 103, "checkpoint_iteration": 50, "remaining_iterations": 100_000,
+        "failure_free_ms": 60.0, "save_interval": 5, **situation}), WITH_HYBRID)
+
+
+WITH_HYBRID = ("reroute", "restart", "reroute+restart")
+
+
+def test_the_hybrid_wins_when_the_checkpoint_is_old_and_the_next_save_near():
+    """Restart now loses 53 iterations; the hybrid reroutes for 3 (103 again, 104, 105), then
+    restarts from iteration 105's checkpoint with nothing lost."""
+    ranked = pp4_dp2_losing_a_middle_stage()
+    best = choose(ranked)
+    by = {c.strategy: c for c in ranked}
+    assert best.strategy == "reroute+restart" and set(by) == {"reroute", "restart",
+                                                               "reroute+restart"}
+    now, then, prof = by["reroute"], by["restart"], synthetic()
+    assert (best.plan, best.iteration_ms, best.transition_ms) == (now.plan, now.iteration_ms,
+                                                                   now.transition_ms)
+    s = best.switch
+    assert (s.strategy, s.at_iteration, s.plan, s.iteration_ms) == ("restart", 105, then.plan,
+                                                                     then.iteration_ms)
+    loaded = then.transition_ms - transition_ms(prof, lost_iterations=53, iteration_ms=60.0)
+    assert s.transition_ms == pytest.approx(switch_ms(prof) + loaded)
+    assert best.total_ms == pytest.approx(now.transition_ms + 3 * now.iteration_ms +
+                                          s.transition_ms + (100_000 - 3) * then.iteration_ms)
+    assert best.memory_bytes == max(now.memory_bytes, then.memory_bytes) and best.feasible
+    summary = best.summary()
+    assert summary["switch"] == {"strategy": "restart", "at_iteration": 105,
+                                 "predicted_iter_ms": round(then.iteration_ms, 3),
+                                 "transition_ms": round(s.transition_ms, 1),
+                                 "layout": "2 pipeline(s) x 3 stage(s)", "world": 6}
+    assert summary.keys() - {"switch"} == now.summary().keys()
+    assert best.schedule.ops.keys() == set(now.plan.ranks)
+
+
+def test_no_hybrid_without_periodic_saves_or_past_the_horizon():
+    assert {c.strategy for c in pp4_dp2_losing_a_middle_stage(save_interval=0)} == \
+        {"reroute", "restart"}
+    # the save after iteration 200 comes 98 iterations later, after the job's end
+    late = pp4_dp2_losing_a_middle_stage(save_interval=200, remaining_iterations=98)
+    assert "reroute+restart" not in {c.strategy for c in late}
+    just = pp4_dp2_losing_a_middle_stage(save_interval=200, remaining_iterations=99)
+    assert "reroute+restart" in {c.strategy for c in just}
+
+
+def test_a_fresh_checkpoint_still_means_restart_now():
+    """With the checkpoint one iteration old, restarting now loses less than the hybrid's
+    rerouted iterations cost."""
+    best = choose(pp4_dp2_losing_a_middle_stage(checkpoint_iteration=102))
+    assert best.strategy == "restart"
+
+
+def test_a_hybrid_needs_both_plans_to_fit():
+    ranked = pp4_dp2_losing_a_middle_stage()
+    by = {c.strategy: c for c in ranked}
+    tight = dataclasses.replace(synthetic(), device_memory_bytes=by["restart"].memory_bytes)
+    assert by["reroute"].memory_bytes > by["restart"].memory_bytes
+    ranked = candidates(pp4_dp2(), {5}, tight, Situation(
+        iteration=103, checkpoint_iteration=50, remaining_iterations=100_000,
+        failure_free_ms=60.0, save_interval=5), WITH_HYBRID)
+    assert [(c.strategy, c.feasible) for c in ranked][0] == ("restart", True)
+    assert not next(c for c in ranked if c.strategy == "reroute+restart").feasible
+
+
 def test_chameleon_plan_prints_the_ranked_candidates_as_json(capsys):
     import json
 
@@ -119,7 +269,7 @@ def test_chameleon_plan_prints_the_ranked_candidates_as_json(capsys):
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["profile"]["source"] == "analytical"
-    assert {c["strategy"] for c in out["candidates"]} == {"reroute", "restart"}
+    assert {c["strategy"] for c in out["candidates"]} == {"reroute", "takeover", "restart"}
     assert out["chosen"] == out["candidates"][0] and out["plan"]["num_layers"] == 8
 
 

@@ -1,0 +1,62 @@
+"""Stage takeover (Bamboo-style): a neighbour stage of the failed pipeline absorbs the lost stage's
+layers, so that pipeline runs one stage fewer on the micro-batches it always ran; the layers'
+weights and optimizer state come from a data-parallel replica (megatron.elastic.state_transfer)."""
+
+from __future__ import annotations
+
+import copy
+
+from chameleon_ext.plan import ExecutionPlan, Stage
+
+
+def takeover(plan: ExecutionPlan, failed: set[int] | list[int],
+             stage_cost=None) -> ExecutionPlan | None:
+    """The plan over the survivors in which, in every pipeline that lost stages, each lost
+    stage's layers join a surviving neighbour in the same pipeline, ranks renumbered densely in
+    their old order and the generation advanced. `stage_cost(layers, first, last)` picks the
+    neighbour that ends up cheaper (default: the one with fewer layers; ties to the earlier).
+    None when a pipeline lost every stage (nothing in it survives to take over) or when the
+    plan has rerouted stages (takeover starts from a plan where every stage has its ranks)."""
+    failed = set(failed)
+    if any(not st.ranks for p in plan.pipelines for st in p.stages):
+        return None
+    new = copy.deepcopy(plan)
+    for p in new.pipelines:
+        alive = [st for st in p.stages if not failed & set(st.ranks)]
+        if not alive:
+            return None
+        if len(alive) == len(p.stages):
+            continue
+        stages: list[Stage] = list(p.stages)
+
+        def is_lost(st: Stage) -> bool:
+            return bool(failed & set(st.ranks))
+
+        def merged_cost(host: Stage, lost: Stage) -> float:
+            start = min(host.layer_start, lost.layer_start)
+            end = max(host.layer_end, lost.layer_end)
+            if stage_cost is None:
+                return end - start
+            return stage_cost(end - start, start == 0, end == plan.num_layers)
+
+        # Repeatedly fold a lost stage into a surviving neighbour (one always exists while a
+        # lost stage is left, since some stage of the pipeline survives).
+        while any(is_lost(st) for st in stages):
+            moves = [(merged_cost(stages[j], stages[i]), j, i) for i, st in enumerate(stages)
+                     if is_lost(st) for j in (i - 1, i + 1)
+                     if 0 <= j < len(stages) and not is_lost(stages[j])]
+            _, j, i = min(moves)
+            host, lost = stages[j], stages[i]
+            host.layer_start = min(host.layer_start, lost.layer_start)
+            host.layer_end = max(host.layer_end, lost.layer_end)
+            del stages[i]
+        p.stages = stages
+    survivors = sorted(r for p in new.pipelines for st in p.stages for r in st.ranks)
+    renumber = {old: i for i, old in enumerate(survivors)}
+    for p in new.pipelines:
+        for st in p.stages:
+            st.ranks = [renumber[r] for r in st.ranks]
+    new.generation = plan.generation + 1
+    new._positions = {}
+    new.validate()
+    return new

@@ -1,0 +1,106 @@
+"""The training loop's side of Chameleon's planning: the base profile of this job's model and
+machine, the situation at a failure (checkpoint, horizon, failure rate), and the check of a
+recovery's prediction against the iteration time measured after it."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from chameleon_ext.perf_model import ModelShape, Profile, ProfileError
+from chameleon_ext.planner import Situation
+from megatron.training import checkpointing
+
+# Loopback gloo on one CPU host, estimated; what they miss stays in the calibrated overhead.
+_CPU_LINKS = dict(p2p_alpha_ms=0.05, p2p_ms_per_mib=0.5, allreduce_alpha_ms=0.1,
+                  allreduce_ms_per_mib=1.0)
+
+
+def model_shape(args) -> ModelShape:
+    return ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads,
+                      args.seq_length, args.micro_batch_size, args.padded_vocab_size,
+                      args.ffn_hidden_size or 0, 2 if (args.bf16 or args.fp16) else 4)
+
+
+def base_profile(args, cuda: bool) -> Profile:
+    """--chameleon-profile (checked to describe this model), else a profile of this machine
+    with no compute costs yet (calibration fills them in): its cores shared by every rank on a
+    CPU host, link costs estimated."""
+    shape = model_shape(args)
+    if args.chameleon_profile:
+        profile = Profile.load(args.chameleon_profile)
+        if profile.shape != shape:
+            raise ProfileError(f"--chameleon-profile {args.chameleon_profile} describes "
+                               f"{profile.shape}, this job is {shape}")
+        return profile
+    cores = 0.0 if cuda else float(len(os.sched_getaffinity(0)))
+    return Profile(source="measured", device="cuda" if cuda else "cpu", shape=shape,
+                   layer_fwd_ms=0.0, layer_bwd_input_ms=0.0, layer_bwd_weight_ms=0.0,
+                   embedding_fwd_ms=0.0, embedding_bwd_ms=0.0, head_fwd_ms=0.0,
+                   head_bwd_ms=0.0, optimizer_ms_per_mparam=0.0, **_CPU_LINKS, cores=cores,
+                   notes=["links: loopback estimate"])
+
+
+@dataclass
+class JobClock:
+    """What the planner's Situation needs from the training loop."""
+
+    args: object
+    started: float = field(default_factory=time.monotonic)
+    failures: int = 0
+    iteration_ms: list[float] = field(default_factory=list)
+
+    def situation(self, iteration: int) -> Situation:
+        """At a failure during `iteration` (counted as one more failure of this job)."""
+        args = self.args
+        self.failures += 1
+        root = args.save or args.load
+        ckpt = (checkpointing.latest_iteration(root) or 0) if root else 0
+        mtbf = args.chameleon_mtbf
+        if mtbf is None:
+            mtbf = (time.monotonic() - self.started) / 3600.0 / self.failures
+        recent = self.iteration_ms[-10:]
+        return Situation(iteration=iteration, checkpoint_iteration=ckpt,
+                         remaining_iterations=args.train_iters - iteration + 1,
+                         mtbf_hours=mtbf,
+                         failure_free_ms=statistics.median(recent) if recent else 0.0,
+                         save_interval=args.save_interval or 0)
+
+
+@dataclass
+class PredictionCheck:
+    """The median of the iterations measured after a recovery (the first one, which warms up
+    the new groups, left out) beside its predicted iteration time."""
+
+    predicted_ms: float
+    iteration: int                     # of the recovery
+    strategy: str
+    wanted: int = 8
+    measured: list[float] = field(default_factory=list)
+    _skipped: bool = False
+
+    def add(self, ms: float) -> bool:
+        """True once `wanted` iterations are measured."""
+        if not self._skipped:
+            self._skipped = True
+            return False
+        self.measured.append(ms)
+        return len(self.measured) >= self.wanted
+
+    def result(self) -> dict | None:
+        if not self.measured:
+            return None
+        measured = statistics.median(self.measured)
+        return {"recovery_iteration": self.iteration, "strategy": self.strategy,
+                "predicted_iter_ms": round(self.predicted_ms, 3),
+                "measured_iter_ms": round(measured, 3), "iterations": len(self.measured),
+                "relative_error": round(abs(self.predicted_ms - measured) / measured, 4)}
+
+    def line(self) -> str:
+        r = self.result()
+        return (f"> prediction of the recovery at iteration {r['recovery_iteration']} "
+                f"({r['strategy']}): {r['predicted_iter_ms']:.1f} ms/iteration, measured "
+                f"{r['measured_iter_ms']:.1f} ms over {r['iterations']} iteration(s) "
+                f"({100 * r['relative_error']:.1f}% off)")

@@ -1,0 +1,88 @@
+"""Every recovery strategy, forced with --chameleon-strategy (and chosen by `auto`), on the same
+failure: a worker killed in the backward of iteration 5. The job keeps the failure-free loss
+trajectory, consumes the same samples, and every copy of every parameter stays bit-identical."""
+
+import pytest
+
+from tests.launch import SMALL_MODEL, assert_close, last_losses, run_chameleon, run_job
+
+pytestmark = pytest.mark.slow
+ITERS = 10
+
+
+def common(data: str, pp: int) -> list[str]:
+    return SMALL_MODEL + ["--pipeline-model-parallel-size", str(pp), "--global-batch-size", "16",
+                          "--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS),
+                          "--lr", "3e-3", "--data-path", data, "--split", "100,0,0",
+                          "--log-interval", "5"]
+
+
+@pytest.fixture(scope="module")
+def references(small_data, tmp_path_factory):
+    cache: dict[int, list[float]] = {}
+
+    def get(pp: int) -> list[float]:
+        if pp not in cache:
+            run = run_job(2 * pp, common(small_data, pp), tmp_path_factory.mktemp(f"ref{pp}"),
+                          name="ref")
+            assert run.returncode == 0, run.stderr[-3000:]
+            cache[pp] = run.losses()
+        return cache[pp]
+    return get
+
+
+# pipeline depth, killed rank: pp2 x dp2 loses pipeline 1's last stage; pp4 x dp2 (one layer a
+# stage) loses pipeline 1's third stage, whose neighbours are a middle and the last stage.
+LAYOUTS = {"pp2xdp2": (2, 3), "pp4xdp2": (4, 5)}
+CASES = [(s, "pp2xdp2") for s in ("reroute", "takeover", "restart", "auto")] + \
+        [(s, "pp4xdp2") for s in ("takeover", "auto")]
+
+
+@pytest.mark.parametrize("strategy,layout", CASES, ids=[f"{s}-{lay}" for s, lay in CASES])
+def test_each_strategy_keeps_the_loss_trajectory(references, small_data, tmp_path, strategy,
+                                                 layout):
+    pp, victim = LAYOUTS[layout]
+    run = run_chameleon(2 * pp, common(small_data, pp) + [
+        "--chameleon", "--chameleon-strategy", strategy, "--save", str(tmp_path / "ckpt"),
+        "--save-interval", "3",
+        "--chameleon-inject", f"kill:rank={victim},iter=5,phase=backward"], tmp_path, name=strategy)
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = run.metrics
+    assert_close(last_losses(events), references(pp))
+    iters = {e["iteration"]: e for e in events if e["event"] == "iteration"}
+    assert sorted(iters) == list(range(1, ITERS + 1))
+    assert [iters[i]["consumed_samples"] for i in sorted(iters)] == \
+        [16 * i for i in range(1, ITERS + 1)]
+    rec = [e for e in events if e["event"] == "recovery"]
+    assert len(rec) == 1
+    if strategy != "auto":
+        assert rec[0]["strategy"] == strategy
+    else:
+        feasible = [c for c in rec[0]["candidates"] if c["feasible"]]
+        assert rec[0]["strategy"] == min(feasible, key=lambda c: c["total_ms"])["strategy"]
+    if rec[0]["strategy"] == "takeover":
+        assert rec[0]["moved_bytes"] > 0  # the absorbed layers' weights and Adam moments
+        assert "now 1 stage(s)" in run.stdout or f"now {pp - 1} stage(s)" in run.stdout
+    assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
+
+
+def test_the_hybrid_reroutes_then_restarts_onto_the_replanned_layout(references, small_data,
+                                                                     tmp_path):
+    """reroute+restart: the kill at iteration 5 is rerouted; after the checkpoint of iteration
+    6 every rank leaves that world and the plan the planner found best for the survivors
+    starts from it, one generation up (a survivor it does not use leaves the job)."""
+    run = run_chameleon(4, common(small_data, 2) + [
+        "--chameleon", "--chameleon-strategy", "reroute+restart", "--chameleon-mtbf", "1000",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "6",
+        "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"], tmp_path, name="hybrid")
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = run.metrics
+    assert_close(last_losses(events), references(2))
+    rec = next(e for e in events if e["event"] == "recovery")
+    assert rec["strategy"] == "reroute+restart" and rec["switch"]["at_iteration"] == 6
+    switch = next(e for e in events if e["event"] == "switch")
+    assert switch["iteration"] == 6 and switch["generation"] == 2
+    iters = [e for e in events if e["event"] == "iteration"]
+    assert [e["generation"] for e in iters] == [0] * 4 + [1] * 2 + [2] * 4
+    assert "> switched at iteration 6 to the restart plan" in run.stdout
+    assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
