@@ -2,7 +2,9 @@
 
 Every available strategy proposes its plan over the survivors (chameleon_ext.strategies): reroute
 (the lost stage's micro-batches to its replicas), takeover (a neighbour stage of the failed
-pipeline absorbs the lost layers, fetched with their optimizer state from a replica), restart (the latest checkpoint onto the
+pipeline absorbs the lost layers, fetched with their optimizer state from a replica),
+reparallelize (pipelines of different depths over every survivor, the micro-batches split by
+their speed), restart (the latest checkpoint onto the
 homogeneous plan over the survivors predicted fastest, among every pipeline depth and width, its
 layers split by a dynamic program over contiguous layer ranges so that the stages' predicted
 costs are balanced) and the hybrid reroute+restart (reroute now, and at the next periodic
@@ -41,9 +43,11 @@ from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import Schedule
 from chameleon_ext.strategies.reroute import reroute
 from chameleon_ext.strategies.restart import homogeneous
+from chameleon_ext.strategies.reparallelize import ranked_mixes, reparallelize
 from chameleon_ext.strategies.takeover import takeover
 
-STRATEGIES = ("reroute", "takeover", "restart", "reroute+restart")
+STRATEGIES = ("reroute", "takeover", "reparallelize", "restart", "reroute+restart")
+REPARALLELIZE_PREDICTED = 3  # mixes of pipeline depths predicted, of those estimated fastest
 
 
 @dataclass
@@ -138,13 +142,16 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
         if new is not None and new.world_size == survivors:
             rerouted = _candidate("reroute", new, after,
                                   transition_ms(profile, lost_iterations=1, iteration_ms=lost_ms))
-    took = None
+    took = took_all = None
     if "takeover" in strategies:
         new = takeover(plan, lost, lambda n, first, last: stage_cost_ms(profile, n, first, last))
         if new is not None and new.world_size == survivors:
             took = _candidate("takeover", new, after, transition_ms(
                 profile, moved_bytes=moved_bytes(plan, new, lost, profile), lost_iterations=1,
                 iteration_ms=lost_ms))
+    if "reparallelize" in strategies:
+        took_all = _reparallelized(plan, lost, profile, after, transition_ms(
+            profile, lost_iterations=1, iteration_ms=lost_ms))
     if "restart" in strategies or hybrid:
         found = _replan(plan, survivors, after)
         if found is not None:
@@ -153,7 +160,8 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
             restarted = _candidate("restart", new, after, transition_ms(
                 profile, loaded_bytes=_loaded_bytes(new, profile), lost_iterations=lost_its,
                 iteration_ms=lost_ms), pred)
-    out = [c for c in (rerouted, took, restarted) if c is not None and c.strategy in strategies]
+    out = [c for c in (rerouted, took, took_all, restarted)
+           if c is not None and c.strategy in strategies]
     for c in out:
         if c.feasible:
             c.total_ms = c.transition_ms + horizon_iterations(situation, c.iteration_ms) * \
@@ -177,6 +185,32 @@ def _candidate(strategy: str, plan: ExecutionPlan, profile: Profile, transition:
     return Candidate(strategy, plan, pred.iteration_ms, transition, pred.peak_memory_bytes, fits)
 
 
+def _reparallelized(plan: ExecutionPlan, lost: set[int], profile: Profile, after: Profile,
+                    transition: float) -> Candidate | None:
+    """The fastest predicted of the re-parallelized plans over every survivor built from the
+    mixes of pipeline depths estimated fastest; its transition adds the state it moves."""
+    def cost(n: int, first: bool, last: bool) -> float:
+        return stage_cost_ms(profile, n, first, last)
+
+    def balance(layers: int, depth: int) -> list[int]:
+        return balanced_layers(layers, depth, profile)
+
+    survivors = plan.world_size - len(lost)
+    best = None
+    for mix in ranked_mixes(plan, survivors, cost, balance)[:REPARALLELIZE_PREDICTED]:
+        new = reparallelize(plan, lost, cost, balance, mix)
+        if new is None:
+            continue
+        c = _candidate("reparallelize", new, after, transition)
+        if best is None or c.iteration_ms < best.iteration_ms:
+            best = c
+    if best is not None:
+        best.transition_ms += transition_ms(
+            profile, moved_bytes=moved_bytes(plan, best.plan, lost, profile)) - \
+            transition_ms(profile)
+    return best
+
+
 def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
                 profile: Profile) -> int:
     """Parameters and Adam moments (12 bytes a parameter) of the layers each survivor holds
@@ -186,10 +220,13 @@ def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
     total = 0
     for i, old in enumerate(survivors):
         was, now = plan.stage_of(old), new.stage_of(i)
-        gained = max(0, was.layer_start - now.layer_start) + max(0, now.layer_end - was.layer_end)
-        extra = gained * shape.layer_params()
+        overlap = max(0, min(was.layer_end, now.layer_end) - max(was.layer_start,
+                                                                  now.layer_start))
+        extra = (now.num_layers - overlap) * shape.layer_params()
         if new.is_first_stage(i) and not plan.is_first_stage(old):
             extra += shape.embedding_params()
+        if new.is_last_stage(i) and not plan.is_last_stage(old):
+            extra += shape.vocab_size * shape.hidden_size * (not new.is_first_stage(i))
         total += 12 * extra // plan.tensor_parallel
     return total
 

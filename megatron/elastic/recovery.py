@@ -29,6 +29,7 @@ from chameleon_ext.planner import Situation
 from chameleon_ext.schedule_ir import Op, OpKind
 from chameleon_ext.strategies.reroute import reroute
 from chameleon_ext.strategies.restart import restart_plan
+from chameleon_ext.strategies.reparallelize import reparallelize
 from chameleon_ext.strategies.takeover import takeover
 from megatron.elastic import parallel_state
 
@@ -206,16 +207,18 @@ class Recovery:
         """The leader's decision, as published (JSON: strategy, plan, the ranked candidates
         with their predictions, and the switch of a hybrid), or "none".
 
-        `auto` ranks every strategy's candidate with the profile calibrated so far, and
-        `reroute+restart` takes the hybrid where there is one (periodic saves, the next one
-        within the horizon); before any calibration (a failure during the first iterations,
-        no --chameleon-profile), or without a hybrid, they reroute. Forced: reroute (or takeover) where it absorbs the failure in every
+        `auto` ranks every strategy's candidate with the profile calibrated so far,
+        `reparallelize` predicts its mixes of pipeline depths with it, and `reroute+restart`
+        takes the hybrid where there is one (periodic saves, the next one within the horizon);
+        before any calibration (a failure during the first iterations, no
+        --chameleon-profile) `reparallelize` balances layers by count, and the others (or
+        without a hybrid) reroute. Forced: reroute (or takeover) where it absorbs the failure in every
         rank (tensor-parallel siblings of a lost shard have no place in it), else restart; its plan
         is still predicted when there is a profile, so the log shows predicted beside measured.
         """
         profile = self.planning.profile(plan, self.alive) if self.planning else None
         best = None
-        if self.strategy in ("auto", "reroute+restart") and profile is not None:
+        if self.strategy in ("auto", "reroute+restart", "reparallelize") and profile is not None:
             situation = self.planning.situation(iteration)
             ranked = planner.candidates(plan, lost, profile, situation,
                                         planner.STRATEGIES if self.strategy == "auto"
@@ -239,6 +242,10 @@ class Recovery:
         elif self.strategy == "takeover":
             new = takeover(plan, lost, None if profile is None else
                            lambda n, first, last: planner.stage_cost_ms(profile, n, first, last))
+        elif self.strategy == "reparallelize":  # nothing measured yet: layers as the cost
+            new = reparallelize(plan, lost, lambda n, first, last: float(n),
+                                lambda layers, d: [layers // d + (i < layers % d)
+                                                   for i in range(d)])
         if new is None or new.world_size != survivors:
             new, strategy = restart_plan(plan, survivors), "restart"
         if new is None:

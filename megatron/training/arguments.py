@@ -112,14 +112,17 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--chameleon-plan", default=None,
                    help="run this execution plan (JSON) instead of the homogeneous one")
     g.add_argument("--chameleon-strategy",
-                   choices=("auto", "reroute", "takeover", "restart", "reroute+restart"),
+                   choices=("auto", "reroute", "takeover", "reparallelize", "restart",
+                            "reroute+restart"),
                    default="reroute",
                    help="recovery strategy (with --chameleon): auto (the candidate the "
                         "performance model, calibrated from this job's timers, predicts "
                         "cheapest over the horizon), reroute (ReCycle-style data rerouting; "
                         "restart where it cannot absorb a failure), takeover (Bamboo-style: a "
                         "neighbour stage of the failed pipeline takes over its layers, their state "
-                        "fetched from a replica), reroute+restart (reroute, then at the next "
+                        "fetched from a replica), reparallelize (Oobleck-style: pipelines of "
+                        "different depths over every survivor, the batch split by their speed), "
+                        "reroute+restart (reroute, then at the next "
                         "--save-interval checkpoint restart from it onto the re-planned layout) "
                         "or restart (reload the latest "
                         "checkpoint of --save, else --load, onto a plan over the survivors; from "

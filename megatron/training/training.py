@@ -439,10 +439,10 @@ def _report_recovery(metrics, bar, out, it, plan, error: str, times, resume: int
         what = (f"checkpoint of iteration {resume}" if resume else "no checkpoint: the initial "
                 "weights") + (f" loaded onto pipeline {len(plan.pipelines[0].stages)} x data "
                               f"{len(plan.pipelines)}")
-    elif out.strategy == "takeover":
+    elif out.strategy in ("takeover", "reparallelize"):
         what = "; ".join(f"pipeline {pi} now {len(p.stages)} stage(s): " + ", ".join(
             f"layers [{st.layer_start}, {st.layer_end}) on rank(s) {st.ranks}" for st in p.stages)
-            for pi, p in enumerate(plan.pipelines)) + f"; {moved_bytes / 2**20:.2f} MiB of " \
+            + f", {len(p.micro_batches)} micro-batch(es)" for pi, p in enumerate(plan.pipelines)) + f"; {moved_bytes / 2**20:.2f} MiB of " \
             "parameters and optimizer state moved from replicas"
     else:
         what = "; ".join(f"micro-batch(es) of pipeline {pi} stage {si} now on rank(s) "

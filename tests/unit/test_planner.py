@@ -47,7 +47,7 @@ def test_restart_when_the_checkpoint_is_fresh_and_the_horizon_long():
     re-planned 2 x 3 layout over 6 of the 7 survivors is faster."""
     ranked = candidates(pp4_dp2(), {5}, synthetic(), Situation(
         iteration=100, checkpoint_iteration=99, remaining_iterations=100_000,
-        failure_free_ms=60.0))
+        failure_free_ms=60.0), ("reroute", "restart"))
     best = choose(ranked)
     assert best.strategy == "restart" and best.plan.world_size == 6
     reroute = next(c for c in ranked if c.strategy == "reroute")
@@ -58,9 +58,27 @@ def test_the_horizon_from_the_mtbf_decides_between_them():
     """An old checkpoint (50 iterations of lost work) pays off over a long horizon only."""
     long = Situation(iteration=100, checkpoint_iteration=50, remaining_iterations=100_000,
                      failure_free_ms=60.0)
-    assert choose(candidates(pp4_dp2(), {5}, synthetic(), long)).strategy == "restart"
+    pair = ("reroute", "restart")
+    assert choose(candidates(pp4_dp2(), {5}, synthetic(), long, pair)).strategy == "restart"
     short = dataclasses.replace(long, mtbf_hours=1e-4)  # 0.36 s: a few iterations
-    assert choose(candidates(pp4_dp2(), {5}, synthetic(), short)).strategy == "reroute"
+    assert choose(candidates(pp4_dp2(), {5}, synthetic(), short, pair)).strategy == "reroute"
+
+
+def test_re_parallelizing_every_survivor_wins_a_long_horizon_without_a_fresh_checkpoint():
+    """Over 7 survivors, pipelines of different depths (the micro-batches split by their
+    speed) lose no iteration and leave no survivor idle: faster than the restart onto 6,
+    cheaper than the restart's lost work, and than rerouting's doubled replica."""
+    situation = Situation(iteration=100, checkpoint_iteration=50, remaining_iterations=100_000,
+                          failure_free_ms=60.0)
+    ranked = candidates(pp4_dp2(), {5}, synthetic(), situation)
+    by = {c.strategy: c for c in ranked}
+    best = choose(ranked)
+    assert best.strategy == "reparallelize" and best.plan.world_size == 7
+    assert len({len(p.stages) for p in best.plan.pipelines}) > 1  # heterogeneous
+    assert sorted(mb for p in best.plan.pipelines for mb in p.micro_batches) == list(range(32))
+    assert best.iteration_ms < min(by["reroute"].iteration_ms, by["restart"].iteration_ms)
+    whole = whole_prediction(best.plan, synthetic())
+    assert best.iteration_ms == whole.iteration_ms
 
 
 def test_a_plan_over_the_memory_limit_is_never_chosen():
@@ -181,7 +199,8 @@ def test_candidates_are_predicted_as_whole_plans_and_the_search_as_exhaustive(de
         plan = ExecutionPlan.failure_free(depth * dp, 1, depth, 8, 1, batch)
         for prof in (synthetic(), costly()):
             ranked = candidates(plan, lost, prof, situation)
-            assert {c.strategy for c in ranked} == {"reroute", "takeover", "restart"}
+            assert {c.strategy for c in ranked} == {"reroute", "takeover", "reparallelize",
+                                                    "restart"}
             for c in ranked:
                 whole = whole_prediction(c.plan, prof)
                 assert (c.iteration_ms, c.memory_bytes) == (whole.iteration_ms,
@@ -269,7 +288,8 @@ def test_chameleon_plan_prints_the_ranked_candidates_as_json(capsys):
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["profile"]["source"] == "analytical"
-    assert {c["strategy"] for c in out["candidates"]} == {"reroute", "takeover", "restart"}
+    assert {c["strategy"] for c in out["candidates"]} == {"reroute", "takeover",
+                                                          "reparallelize", "restart"}
     assert out["chosen"] == out["candidates"][0] and out["plan"]["num_layers"] == 8
 
 

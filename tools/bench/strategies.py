@@ -1,10 +1,10 @@
 """The same failure under each recovery strategy on CPU, side by side in one run.
 
 Pipeline 2 x data 2 and pipeline 4 x data 2 (4 layers, hidden 64) under chameleon-launch, one
-worker killed in the backward of iteration 10 of 30, a checkpoint every 8 iterations; for each of
---chameleon-strategy reroute, takeover, restart and auto: post-recovery over failure-free
-iteration time (medians within the run), reconfiguration time, bytes of state moved between
-ranks, iterations lost, and what auto chose.
+worker killed in the backward of iteration 10 of 30, a checkpoint every 8 iterations; for each
+of --chameleon-strategy reroute, takeover, reparallelize, restart and auto: post-recovery over
+failure-free iteration time (medians within the run), reconfiguration time, bytes of state
+moved between ranks, iterations lost, and what auto chose.
 
     python tools/bench/strategies.py [--iters 30] [--layouts pp2xdp2 pp4xdp2]
 """
@@ -23,7 +23,7 @@ from megatron.training.builtin_data import ensure_builtin_dataset  # noqa: E402
 from tests.launch import SMALL_MODEL, run_chameleon  # noqa: E402
 
 LAYOUTS = {"pp2xdp2": (2, 3), "pp4xdp2": (4, 5)}  # pipeline depth, killed rank
-STRATEGIES = ("reroute", "takeover", "restart", "auto")
+STRATEGIES = ("reroute", "takeover", "reparallelize", "restart", "auto")
 
 
 def one(pp: int, victim: int, strategy: str, iters: int, data: str, tmp: Path) -> dict:

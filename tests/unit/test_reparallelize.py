@@ -1,0 +1,50 @@
+"""Re-parallelization as a plan transform: every survivor in a pipeline of some depth, layers
+balanced per pipeline, the global micro-batches split by the pipelines' speed, and the ranks of
+an untouched pipeline left where they were."""
+
+from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.strategies.reparallelize import (depth_mixes, pipeline_time, ranked_mixes,
+                                                     reparallelize, split_micro_batches)
+
+
+def cost(layers: int, first: bool, last: bool) -> float:
+    return float(layers)
+
+
+def even(layers: int, depth: int) -> list[int]:
+    return [layers // depth + (i < layers % depth) for i in range(depth)]
+
+
+def test_depth_mixes_use_every_survivor_with_neighbouring_depths():
+    for mix in depth_mixes(7, 4):
+        assert sum(mix) == 7 and max(mix) - min(mix) <= 1
+    assert [4, 3] in depth_mixes(7, 4) and [1] * 7 in depth_mixes(7, 4)
+
+
+def test_a_slower_pipeline_gets_fewer_micro_batches():
+    # a 3-stage pipeline of 8 layers (3, 3, 2) beside a 4-stage one (2 each)
+    counts = split_micro_batches([[3, 3, 2], [2, 2, 2, 2]], 32, cost)
+    assert sum(counts) == 32 and counts[0] < counts[1]
+    times = [pipeline_time(lay, c, cost) for lay, c in zip([[3, 3, 2], [2, 2, 2, 2]], counts)]
+    assert max(times) - min(times) <= 3.0  # one more micro-batch through the slowest stage
+
+
+def test_pp4_dp2_losing_a_middle_stage_keeps_the_untouched_pipeline():
+    plan = ExecutionPlan.failure_free(8, 1, 4, 8, 1, 32)
+    lost = plan.pipelines[1].stages[2].ranks[0]
+    new = reparallelize(plan, {lost}, cost, even, mix=[4, 3])
+    assert new.world_size == 7 and new.generation == 1
+    survivors = [r for r in plan.ranks if r != lost]
+    kept = [survivors.index(st.ranks[0]) for st in plan.pipelines[0].stages]
+    assert [st.ranks[0] for st in new.pipelines[0].stages] == kept
+    assert [(st.layer_start, st.layer_end) for st in new.pipelines[1].stages] == \
+        [(0, 3), (3, 6), (6, 8)]
+    assert sorted(mb for p in new.pipelines for mb in p.micro_batches) == list(range(32))
+    assert len(new.pipelines[1].micro_batches) < len(new.pipelines[0].micro_batches)
+    best = ranked_mixes(plan, 7, cost, even)[0]
+    assert sum(best) == 7 and reparallelize(plan, {lost}, cost, even).world_size == 7
+
+
+def test_no_reparallelization_with_tensor_parallel_or_rerouted_stages():
+    plan = ExecutionPlan.failure_free(8, 2, 2, 8, 1, 32)
+    assert reparallelize(plan, {0}, cost, even) is None
