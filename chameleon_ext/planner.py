@@ -43,6 +43,7 @@ from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import Schedule
 from chameleon_ext.strategies.reroute import reroute
 from chameleon_ext.strategies.restart import homogeneous
+from chameleon_ext.strategies.reparallelize import applies as reparallelize_applies
 from chameleon_ext.strategies.reparallelize import ranked_mixes, reparallelize
 from chameleon_ext.strategies.takeover import takeover
 
@@ -192,9 +193,13 @@ def _reparallelized(plan: ExecutionPlan, lost: set[int], profile: Profile, after
     def cost(n: int, first: bool, last: bool) -> float:
         return stage_cost_ms(profile, n, first, last)
 
-    def balance(layers: int, depth: int) -> list[int]:
-        return balanced_layers(layers, depth, profile)
+    table = balanced_layers_by_depth(plan.num_layers, plan.num_layers, profile)
 
+    def balance(layers: int, depth: int) -> list[int]:
+        return table[depth - 1]
+
+    if not reparallelize_applies(plan):
+        return None
     survivors = plan.world_size - len(lost)
     best = None
     for mix in ranked_mixes(plan, survivors, cost, balance)[:REPARALLELIZE_PREDICTED]:

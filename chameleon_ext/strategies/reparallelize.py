@@ -8,6 +8,7 @@ and keeps its depth keeps its ranks and layers, so only the layers new to a rank
 from __future__ import annotations
 
 import copy
+import heapq
 from typing import Callable
 
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
@@ -29,11 +30,18 @@ def split_micro_batches(layouts: list[list[int]], total: int,
                         stage_cost: StageCost) -> list[int]:
     """Micro-batches per pipeline minimising the slowest one's time, each getting at least
     one: the next micro-batch always goes to the pipeline that would finish it first."""
+    shape = []  # pipeline_time(layout, m) = (m - 1) * slowest + sum
+    for sizes in layouts:
+        costs = [stage_cost(n, s == 0, s == len(sizes) - 1) for s, n in enumerate(sizes)]
+        shape.append((max(costs), sum(costs)))
     counts = [1] * len(layouts)
+    heap = [(slowest + total_ms, k) for k, (slowest, total_ms) in enumerate(shape)]
+    heapq.heapify(heap)
     for _ in range(total - len(layouts)):
-        i = min(range(len(layouts)), key=lambda k: (pipeline_time(layouts[k], counts[k] + 1,
-                                                                  stage_cost), k))
-        counts[i] += 1
+        _, k = heapq.heappop(heap)
+        counts[k] += 1
+        slowest, total_ms = shape[k]
+        heapq.heappush(heap, (counts[k] * slowest + total_ms, k))
     return counts
 
 
@@ -49,14 +57,24 @@ def depth_mixes(survivors: int, max_depth: int) -> list[list[int]]:
     return [list(m) for m in sorted(mixes)]
 
 
+def applies(plan: ExecutionPlan) -> bool:
+    """Without tensor parallelism (a lost shard's siblings would have no place) and from a
+    plan whose every stage has its ranks."""
+    return plan.tensor_parallel == 1 and all(st.ranks for p in plan.pipelines
+                                             for st in p.stages)
+
+
 def ranked_mixes(plan: ExecutionPlan, survivors: int, stage_cost: StageCost,
                  balance: Balance) -> list[list[int]]:
     """depth_mixes() fastest first by pipeline_time (its slowest pipeline, given its share of
     the micro-batches; ties to fewer pipelines): the planner predicts the first few."""
     total = plan.num_micro_batches
+    by_depth: dict[int, list[int]] = {}
 
     def slowest(m: list[int]) -> tuple[float, int]:
-        layouts = [balance(plan.num_layers, d) for d in m]
+        for d in set(m) - set(by_depth):
+            by_depth[d] = balance(plan.num_layers, d)
+        layouts = [by_depth[d] for d in m]
         counts = split_micro_batches(layouts, total, stage_cost)
         return max(pipeline_time(lay, c, stage_cost) for lay, c in zip(layouts, counts)), len(m)
     return sorted((m for m in depth_mixes(survivors, plan.num_layers) if len(m) <= total),
@@ -70,8 +88,7 @@ def reparallelize(plan: ExecutionPlan, failed: set[int] | list[int], stage_cost:
     tensor parallelism (a lost shard's siblings have no place), rerouted stages, or fewer
     micro-batches than pipelines."""
     failed = set(failed)
-    if plan.tensor_parallel != 1 or any(not st.ranks for p in plan.pipelines
-                                        for st in p.stages):
+    if not applies(plan):
         return None
     survivors = [r for r in plan.ranks if r not in failed]
     total = plan.num_micro_batches

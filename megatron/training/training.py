@@ -533,7 +533,7 @@ def _summary(rank, plan, args, start, losses, times, tokens_per_iter, events) ->
         print("-" * 72)
         print(f" training summary: {summary['iterations']} iterations "
               f"({summary['first_iteration']}..{args.train_iters}) on {plan.world_size} ranks "
-              f"(pipeline {summary['stages']} x data {summary['pipelines']})")
+              f"({_layout_text(plan)})")
         if losses:
             print(f"   loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
             print(f"   median iteration time: {median_ms:.1f} ms, "
@@ -548,6 +548,13 @@ def _summary(rank, plan, args, start, losses, times, tokens_per_iter, events) ->
                 summary.update(before_ms=b, after_ms=a)
         print("-" * 72, flush=True)
     return summary
+
+
+def _layout_text(plan: ExecutionPlan) -> str:
+    depths = [len(p.stages) for p in plan.pipelines]
+    if len(set(depths)) == 1:
+        return f"pipeline {depths[0]} x data {len(depths)}"
+    return f"{len(depths)} pipelines of {'+'.join(map(str, depths))} stages"
 
 
 def _progress(rank: int, args, start: int):
