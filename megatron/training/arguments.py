@@ -114,7 +114,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--chameleon-strategy",
                    choices=("auto", "reroute", "takeover", "reparallelize", "restart",
                             "reroute+restart"),
-                   default="reroute",
+                   default="auto",
                    help="recovery strategy (with --chameleon): auto (the candidate the "
                         "performance model, calibrated from this job's timers, predicts "
                         "cheapest over the horizon), reroute (ReCycle-style data rerouting; "

@@ -7,6 +7,7 @@ import pytest
 from tests.launch import SMALL_MODEL, assert_close, last_losses, run_chameleon, run_job
 
 pytestmark = pytest.mark.slow
+REROUTE = ["--chameleon", "--chameleon-strategy", "reroute"]  # not the default, auto
 
 
 def common(data: str, dp: int = 2) -> list[str]:
@@ -46,7 +47,7 @@ def test_kill_at_iteration_5_keeps_the_loss_trajectory(references, small_data, t
                                                         dp, victim):
     world, gbs = 2 * dp, 8 * dp
     run = run_chameleon(world, common(small_data, dp) + [
-        "--chameleon", "--chameleon-inject", f"kill:rank={victim},iter=5,phase={phase}"],
+        *REROUTE, "--chameleon-inject", f"kill:rank={victim},iter=5,phase={phase}"],
         tmp_path, name=phase)
     assert run.returncode == 0, run.stderr[-3000:]
     events, out = run.metrics, run.stdout
@@ -77,7 +78,7 @@ def test_without_a_surviving_replica_the_job_restarts_from_its_checkpoint(small_
                           small_data, "--split", "100,0,0", "--log-interval", "1"]
     ref = run_job(4, args, tmp_path, name="ref-pp4")
     assert ref.returncode == 0, ref.stderr[-3000:]
-    run = run_chameleon(4, args + ["--chameleon", "--chameleon-inject", "kill:rank=2,iter=5",
+    run = run_chameleon(4, args + [*REROUTE, "--chameleon-inject", "kill:rank=2,iter=5",
                                    "--save", str(tmp_path / "ckpt"), "--save-interval", "3"],
                         tmp_path, name="pp4")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -119,7 +120,7 @@ def test_two_failures_in_different_pipelines_and_a_hang(small_data, tmp_path):
     ref = run_job(6, args, tmp_path, name="ref6")
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = run_chameleon(6, args + [
-        "--chameleon", "--chameleon-inject", "kill:rank=5,iter=3,phase=forward",
+        *REROUTE, "--chameleon-inject", "kill:rank=5,iter=3,phase=forward",
         "--chameleon-inject", "hang:rank=4,iter=6,phase=backward"], tmp_path, name="two",
         launcher_args=["--heartbeat-timeout", "2"])
     assert run.returncode == 0, run.stderr[-3000:]
@@ -139,7 +140,7 @@ def test_a_failure_during_recovery_restarts_the_agreement(reference, small_data,
     agreed, before the new world exists). The others agree again, one generation up, and
     pipeline 0 (ranks 0 and 2) takes all of pipeline 1's micro-batches."""
     run = run_chameleon(4, common(small_data) + [
-        "--chameleon", "--chameleon-inject", "kill:rank=3,iter=4,phase=forward",
+        *REROUTE, "--chameleon-inject", "kill:rank=3,iter=4,phase=forward",
         "--chameleon-inject", "kill:rank=1,iter=4,phase=recovery"], tmp_path, name="during")
     assert run.returncode == 0, run.stderr[-3000:]
     iters = [e for e in run.metrics if e["event"] == "iteration"]

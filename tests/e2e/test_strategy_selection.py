@@ -9,6 +9,7 @@ import pytest
 from tests.launch import SMALL_MODEL, assert_close, run_chameleon, run_job
 
 pytestmark = pytest.mark.slow
+REROUTE = ["--chameleon", "--chameleon-strategy", "reroute"]  # not the default, auto
 ITERS = 16
 
 
@@ -57,7 +58,7 @@ def test_a_slowed_rank_is_calibrated_and_gets_none_of_the_rerouted_work(small_da
     between the stage's replicas, ranks 3 and 5; rank 5 computes twice as slowly, which the
     calibration measures, so all of them go to rank 3."""
     run = run_chameleon(6, common(small_data, 3) + [
-        "--chameleon", "--chameleon-inject", "slow:rank=5,factor=2",
+        *REROUTE, "--chameleon-inject", "slow:rank=5,factor=2",
         "--chameleon-inject", "kill:rank=4,iter=9,phase=forward"], tmp_path, name="slow")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "micro-batch(es) of pipeline 1 stage 1 now on rank(s) [3]" in run.stdout, \

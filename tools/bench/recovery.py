@@ -28,7 +28,7 @@ def one_run(dp: int, iters: int, kill_at: int, data: str, tmp: Path, name: str) 
     run = run_chameleon(world, SMALL_MODEL + [
         "--pipeline-model-parallel-size", "2", "--global-batch-size", str(8 * dp),
         "--train-iters", str(iters), "--data-path", data, "--split", "100,0,0",
-        "--log-interval", str(iters), "--chameleon",
+        "--log-interval", str(iters), "--chameleon", "--chameleon-strategy", "reroute",
         "--chameleon-inject", f"kill:rank={world - 1},iter={kill_at},phase=backward"], tmp,
         name=name, timeout=600)
     if run.returncode != 0:
