@@ -28,13 +28,11 @@ from pathlib import Path
 
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.schedule_choice import choose_schedule
-from chameleon_ext.schedule_ir import Op, OpKind, Schedule, one_f_one_b
+from chameleon_ext.schedule_ir import COMPUTE, Op, OpKind, Schedule, one_f_one_b
 from chameleon_ext.simulator import SimResult, reduction_components, simulate
 
 SOURCES = ("measured", "offline", "analytical")
 SHARING_ROUNDS = 20
-COMPUTE = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_INPUT, OpKind.BWD_WEIGHT,
-                     OpKind.OPT_STEP})
 MIB = 2 ** 20
 
 
@@ -204,15 +202,6 @@ class Profile:
                 (active.add if inc > 0 else active.discard)(r)
             load.update({r: weighted[r] / span[r] if span[r] else 1.0 for r in host})
         return load
-
-    def busy_load(self, ranks: list[int], busy: dict[int, float],
-                  elapsed: float) -> dict[int, float]:
-        """rank -> its sharing factor when each rank computed busy[rank] of `elapsed` (a rank
-        waiting on a message sleeps and leaves its core to the others)."""
-        if elapsed <= 0:
-            return {r: 1.0 for r in ranks}
-        return {r: self.sharing(sum(busy[q] for q in h) / elapsed)
-                for h in self.hosts(ranks) for r in h}
 
 
 class ProfileCosts:

@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from chameleon_ext.perf_model import Profile, fit_layer_costs, predict, stage_params
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_choice import choose_schedule
-from chameleon_ext.schedule_ir import Op, OpKind, Schedule
+from chameleon_ext.schedule_ir import COMPUTE, Op, Schedule
+from megatron.elastic.schedules import TIMER_OF as SCHEDULE_TIMERS
 
-TIMER_OF = {OpKind.FWD: "forward-compute", OpKind.BWD: "backward-compute",
-            OpKind.BWD_INPUT: "backward-input", OpKind.BWD_WEIGHT: "backward-weight",
-            OpKind.OPT_STEP: "optimizer"}
+TIMER_OF = {kind: SCHEDULE_TIMERS[kind] for kind in COMPUTE}  # the compute ops' timers
 # A rank this much slower than the fit of its stage is slow, not noise (ranks sharing cores
 # differ by some 10-20% between iterations on their own).
 SLOW_RATIO = 1.3

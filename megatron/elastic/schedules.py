@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from chameleon_ext import comm
 from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import RECV_OF, FusedMessage, Op, OpKind, Schedule
+from chameleon_ext.schedule_ir import COMPUTE, RECV_OF, FusedMessage, Op, OpKind, Schedule
 from megatron.elastic.grad_reduction import GradReduction
 from megatron.elastic.wgrad import WeightGradStore
 
@@ -29,9 +29,7 @@ from megatron.elastic.wgrad import WeightGradStore
 ForwardStep = Callable[[dict | None, torch.nn.Module], torch.Tensor]
 LossFunc = Callable[[dict, torch.Tensor], torch.Tensor]
 
-COMPUTE = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_INPUT, OpKind.BWD_WEIGHT,
-                     OpKind.OPT_STEP})
-_TIMER_OF = {
+TIMER_OF = {
     OpKind.RECV_FWD: "forward-recv", OpKind.FWD: "forward-compute", OpKind.SEND_FWD: "forward-send",
     OpKind.RECV_BWD: "backward-recv", OpKind.BWD: "backward-compute",
     OpKind.BWD_INPUT: "backward-input", OpKind.BWD_WEIGHT: "backward-weight",
@@ -138,7 +136,7 @@ class Executor:
                 # survivor steps and the iteration can be run again from its start. (Outside
                 # the optimizer's timer: it waits for the slowest rank.)
                 loss = self._global_loss()
-            timer = rt.timers(_TIMER_OF[op.kind], log_level=2) if rt.timers else None
+            timer = rt.timers(TIMER_OF[op.kind], log_level=2) if rt.timers else None
             if timer:
                 timer.start()
             began, cpu_began = time.perf_counter(), time.thread_time()
@@ -148,7 +146,7 @@ class Executor:
                 else:
                     self._DISPATCH[op.kind](self, op, iteration)
                 if rt.compute_clock and op.kind in COMPUTE:
-                    rt.compute_clock.add(_TIMER_OF[op.kind], time.thread_time() - cpu_began)
+                    rt.compute_clock.add(TIMER_OF[op.kind], time.thread_time() - cpu_began)
                 if rt.after_op:
                     rt.after_op(op, iteration, time.perf_counter() - began)
             finally:  # a failed op must not leave its timer running into the re-run

@@ -20,7 +20,7 @@ from chameleon_ext.perf_model import ProfileError
 from chameleon_ext.plan import ExecutionPlan, PlanError
 from chameleon_ext import comm, membership
 from chameleon_ext.message_fusion import message_count
-from chameleon_ext.schedule_ir import OpKind
+from chameleon_ext.schedule_ir import COMPUTE, OpKind
 from chameleon_ext.faults import FaultSpecError, Injector, parse_injects
 from megatron.elastic import cpu_compat, runtime, state_transfer
 from megatron.elastic.calibration import LiveCalibration
@@ -490,9 +490,8 @@ def _save_profile(args, calibration, plan, launch_ranks) -> None:
 def _slowed(injector: Injector):
     """after_op of a rank with a `slow` fault: its compute ops take `factor` times as long."""
     def after_op(op, iteration: int, elapsed_s: float) -> None:
-        phase = PHASE_OF.get(op.kind)
-        if phase and op.kind is not OpKind.REDUCE_GRADS:
-            injector.maybe_fire(iteration + 1, phase, elapsed_s=elapsed_s)
+        if op.kind in COMPUTE:
+            injector.maybe_fire(iteration + 1, PHASE_OF[op.kind], elapsed_s=elapsed_s)
     return after_op
 
 
