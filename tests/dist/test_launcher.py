@@ -30,8 +30,10 @@ import json, os, signal, subprocess, sys, time
 from datetime import timedelta
 mode = sys.argv[1]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-if mode == "exit":                       # no torch: rank 0 fails at once, the others wait
+if mode == "exit":                       # no torch: rank 0 fails once the test has read the pids
     if rank == 0:
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.01)
         sys.exit(1)
     time.sleep(120)
     sys.exit(0)
@@ -260,9 +262,12 @@ def test_ctrl_c_reaps_every_process(launch):
 
 
 @pytest.mark.timeout(60)
-def test_failures_beyond_max_failures_stop_the_job(launch):
-    run = launch(3, "exit", flags=["--max-failures", "0", "--grace", "1"])
+def test_failures_beyond_max_failures_stop_the_job(launch, tmp_path):
+    go = str(tmp_path / "go")
+    run = launch(3, "exit", go, flags=["--max-failures", "0", "--grace", "1"])
     info = run.workers(3)
+    # the agent's store closes with the job: read the pids before rank 0 fails
+    Path(go).touch()
     assert run.wait(30) == 1, run.stderr()
     err = run.stderr()
     assert f"worker rank 0 (pid {info[0]['pid']}) died: exit code 1; reported" in err
