@@ -115,6 +115,9 @@ class Profile:
     rebuild_ms: float = 400.0          # notice to a new runtime (groups, model, optimizer)
     load_ms_per_mib: float = 1.0       # reading a checkpoint
     iteration_overhead_ms: float = 0.0  # measured iteration time the simulated ops do not cover
+    # eager redundancy's measured refresh over its point-to-point estimate (the wait for a
+    # slower owner included)
+    shadow_sync_factor: float = 1.0
     # rank -> how many times slower it computes than the costs above (a slow device); ranks
     # of the plan the profile was measured under
     rank_slowdown: dict[int, float] = field(default_factory=dict)

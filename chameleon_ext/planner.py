@@ -41,6 +41,7 @@ from chameleon_ext.perf_model import (MIB, Prediction, Profile, allreduce_ms, pr
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import Schedule
+from chameleon_ext.strategies.redundancy import eager_cost, shadow_pairs
 from chameleon_ext.strategies.reroute import reroute
 from chameleon_ext.strategies.restart import homogeneous
 from chameleon_ext.strategies.reparallelize import applies as reparallelize_applies
@@ -61,6 +62,7 @@ class Situation:
     mtbf_hours: float | None = None
     failure_free_ms: float = 0.0       # iteration time before the failure (for lost work)
     save_interval: int = 0             # a checkpoint after every multiple (0: no periodic saves)
+    eager_redundancy: bool = False     # stages hold shadow copies (strategies.redundancy)
 
 
 class _Scheduled:
@@ -145,11 +147,13 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
                                   transition_ms(profile, lost_iterations=1, iteration_ms=lost_ms))
     took = took_all = None
     if "takeover" in strategies:
-        new = takeover(plan, lost, lambda n, first, last: stage_cost_ms(profile, n, first, last))
+        eager = situation.eager_redundancy
+        new = takeover(plan, lost, lambda n, first, last: stage_cost_ms(profile, n, first, last),
+                       eager)
         if new is not None and new.world_size == survivors:
             took = _candidate("takeover", new, after, transition_ms(
-                profile, moved_bytes=moved_bytes(plan, new, lost, profile), lost_iterations=1,
-                iteration_ms=lost_ms))
+                profile, moved_bytes=moved_bytes(plan, new, lost, profile, eager),
+                lost_iterations=1, iteration_ms=lost_ms))
     if "reparallelize" in strategies:
         took_all = _reparallelized(plan, lost, profile, after, transition_ms(
             profile, lost_iterations=1, iteration_ms=lost_ms))
@@ -163,6 +167,9 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
                 iteration_ms=lost_ms), pred)
     out = [c for c in (rerouted, took, took_all, restarted)
            if c is not None and c.strategy in strategies]
+    if situation.eager_redundancy:
+        for c in (c for c in (took, took_all, restarted) if c is not None):
+            _add_upkeep(c, after)
     for c in out:
         if c.feasible:
             c.total_ms = c.transition_ms + horizon_iterations(situation, c.iteration_ms) * \
@@ -184,6 +191,15 @@ def _candidate(strategy: str, plan: ExecutionPlan, profile: Profile, transition:
     pred = pred or predict_plan(plan, profile)
     fits = profile.device_memory_bytes <= 0 or pred.peak_memory_bytes <= profile.device_memory_bytes
     return Candidate(strategy, plan, pred.iteration_ms, transition, pred.peak_memory_bytes, fits)
+
+
+def _add_upkeep(c: Candidate, profile: Profile) -> None:
+    """Eager redundancy: a plan that keeps shadow copies pays for them in time and memory."""
+    upkeep = eager_cost(c.plan, profile)
+    c.iteration_ms += upkeep.sync_ms
+    c.memory_bytes += upkeep.memory_bytes
+    c.feasible = c.feasible and (profile.device_memory_bytes <= 0 or
+                                 c.memory_bytes <= profile.device_memory_bytes)
 
 
 def _reparallelized(plan: ExecutionPlan, lost: set[int], profile: Profile, after: Profile,
@@ -217,20 +233,26 @@ def _reparallelized(plan: ExecutionPlan, lost: set[int], profile: Profile, after
 
 
 def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
-                profile: Profile) -> int:
+                profile: Profile, eager: bool = False) -> int:
     """Parameters and Adam moments (12 bytes a parameter) of the layers each survivor holds
-    under `new` but did not under `plan` (survivors numbered densely in their old order)."""
+    under `new` but did not under `plan` (survivors numbered densely in their old order);
+    `eager`: a rank also held the stages it kept shadow copies of."""
     survivors = [r for r in plan.ranks if r not in lost]
     shape = profile.shape
+    shadowed: dict[int, list[int]] = {}
+    for owner, holder in shadow_pairs(plan) if eager else ():
+        shadowed.setdefault(holder, []).append(owner)
     total = 0
     for i, old in enumerate(survivors):
-        was, now = plan.stage_of(old), new.stage_of(i)
-        overlap = max(0, min(was.layer_end, now.layer_end) - max(was.layer_start,
-                                                                  now.layer_start))
+        now = new.stage_of(i)
+        held = [old, *shadowed.get(old, [])]  # adjacent stages: one range of layers
+        start = min(plan.stage_of(r).layer_start for r in held)
+        end = max(plan.stage_of(r).layer_end for r in held)
+        overlap = max(0, min(end, now.layer_end) - max(start, now.layer_start))
         extra = (now.num_layers - overlap) * shape.layer_params()
-        if new.is_first_stage(i) and not plan.is_first_stage(old):
+        if new.is_first_stage(i) and not any(plan.is_first_stage(r) for r in held):
             extra += shape.embedding_params()
-        if new.is_last_stage(i) and not plan.is_last_stage(old):
+        if new.is_last_stage(i) and not any(plan.is_last_stage(r) for r in held):
             extra += shape.vocab_size * shape.hidden_size * (not new.is_first_stage(i))
         total += 12 * extra // plan.tensor_parallel
     return total
@@ -408,7 +430,11 @@ def with_layers(plan: ExecutionPlan, sizes: list[int]) -> ExecutionPlan:
 
 
 def predicted(strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
-              profile: Profile) -> Candidate:
+              profile: Profile, eager: bool = False) -> Candidate:
     """A forced strategy's plan `new` over the survivors of `plan` without `lost`, predicted
     (its transition cost is what the recovery measures; none is estimated here)."""
-    return _candidate(strategy, new, profile.for_survivors(lost), 0.0)
+    after = profile.for_survivors(lost)
+    c = _candidate(strategy, new, after, 0.0)
+    if eager:
+        _add_upkeep(c, after)
+    return c

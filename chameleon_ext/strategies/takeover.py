@@ -7,16 +7,19 @@ from __future__ import annotations
 import copy
 
 from chameleon_ext.plan import ExecutionPlan, Stage
+from chameleon_ext.strategies.redundancy import holder_stage
 
 
 def takeover(plan: ExecutionPlan, failed: set[int] | list[int],
-             stage_cost=None) -> ExecutionPlan | None:
+             stage_cost=None, eager: bool = False) -> ExecutionPlan | None:
     """The plan over the survivors in which, in every pipeline that lost stages, each lost
     stage's layers join a surviving neighbour in the same pipeline, ranks renumbered densely in
     their old order and the generation advanced. `stage_cost(layers, first, last)` picks the
     neighbour that ends up cheaper (default: the one with fewer layers; ties to the earlier).
     None when a pipeline lost every stage (nothing in it survives to take over) or when the
-    plan has rerouted stages (takeover starts from a plan where every stage has its ranks)."""
+    plan has rerouted stages (takeover starts from a plan where every stage has its ranks).
+    `eager`: a lost stage whose shadow holder (redundancy.holder_stage) survives goes to it,
+    which already has its state."""
     failed = set(failed)
     if any(not st.ranks for p in plan.pipelines for st in p.stages):
         return None
@@ -39,6 +42,14 @@ def takeover(plan: ExecutionPlan, failed: set[int] | list[int],
                 return end - start
             return stage_cost(end - start, start == 0, end == plan.num_layers)
 
+        if eager:
+            held = {i: holder_stage(len(stages), i) for i, st in enumerate(stages)
+                    if is_lost(st)}
+            held = {i: h for i, h in held.items() if h is not None and not is_lost(stages[h])}
+            for i, h in held.items():
+                stages[h].layer_start = min(stages[h].layer_start, stages[i].layer_start)
+                stages[h].layer_end = max(stages[h].layer_end, stages[i].layer_end)
+            stages = [st for i, st in enumerate(stages) if i not in held]
         # Repeatedly fold a lost stage into a surviving neighbour (one always exists while a
         # lost stage is left, since some stage of the pipeline survives).
         while any(is_lost(st) for st in stages):

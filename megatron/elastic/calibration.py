@@ -27,6 +27,8 @@ from chameleon_ext.perf_model import Profile, fit_layer_costs, predict, stage_pa
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import COMPUTE, Op, Schedule
+from chameleon_ext.strategies.redundancy import eager_cost
+from megatron.elastic.schedules import SHADOW_SYNC
 from megatron.elastic.schedules import TIMER_OF as SCHEDULE_TIMERS
 
 TIMER_OF = {kind: SCHEDULE_TIMERS[kind] for kind in COMPUTE}  # the compute ops' timers
@@ -82,9 +84,11 @@ class Calibrator:
     _skip: int = 0
     _place: tuple = ()
 
-    def start(self, plan: ExecutionPlan, rank: int, ops: list[Op], shape) -> None:
-        """A new plan: forget what was measured under the old one."""
-        self._counts = {}
+    def start(self, plan: ExecutionPlan, rank: int, ops: list[Op], shape,
+              shadows: bool = False) -> None:
+        """A new plan (`shadows`: whose iterations begin with eager redundancy's refresh):
+        forget what was measured under the old one."""
+        self._counts = {SHADOW_SYNC: 1} if shadows else {}
         for op in ops:
             name = TIMER_OF.get(op.kind)
             if name:
@@ -112,7 +116,8 @@ class Calibrator:
                  for name, count in self._counts.items()}
         cpu = {name: 1e3 * (self.clock.cpu_s.get(name, 0.0) - self._cpu_base.get(name, 0.0))
                / (n * count) for name, count in self._counts.items()} if self.clock else {}
-        busy = sum(op_ms[name] * count for name, count in self._counts.items())
+        busy = sum(op_ms[name] * count for name, count in self._counts.items()
+                   if name != SHADOW_SYNC)
         return StageSample(*self._place, n, op_ms, cpu, dict(self._counts),
                            statistics.median(self._iteration_ms), busy)
 
@@ -214,6 +219,13 @@ def calibrate(plan: ExecutionPlan, schedule: Schedule, samples: list[StageSample
         fitted = _effective_cores(plan, schedule, samples, fitted)
     simulated = predict(plan, schedule, fitted).iteration_ms
     measured = statistics.median(s.iteration_ms for s in samples)
+    refresh = [s.op_ms[SHADOW_SYNC] for s in samples if SHADOW_SYNC in s.op_ms]
+    if refresh:  # eager redundancy's refresh: its own cost, not an overhead of every plan
+        synced = max(refresh)
+        modelled = eager_cost(plan, fitted).sync_ms
+        if modelled > 0:
+            fitted = dataclasses.replace(fitted, shadow_sync_factor=synced / modelled)
+        measured -= synced
     # Negative when the simulation overshoots the plan it was fitted under: the same bias,
     # taken off every plan's prediction.
     return dataclasses.replace(fitted, iteration_overhead_ms=max(-simulated / 2,
@@ -258,9 +270,9 @@ class LiveCalibration:
         self.calibrator = Calibrator(timers, clock, warmup)
         self._generation = 0
 
-    def start(self, plan: ExecutionPlan, rank: int, ops: list[Op]) -> None:
+    def start(self, plan: ExecutionPlan, rank: int, ops: list[Op], shadows: bool = False) -> None:
         self._generation = plan.generation
-        self.calibrator.start(plan, rank, ops, self.base.shape)
+        self.calibrator.start(plan, rank, ops, self.base.shape, shadows)
 
     def after_iteration(self, elapsed_ms: float) -> None:
         self.calibrator.after_iteration(elapsed_ms)

@@ -82,6 +82,7 @@ class Recovery:
     agree_timeout_s: float = 60.0
     injector: Injector = field(default_factory=lambda: Injector([], 0))
     planning: "Planning | None" = None
+    eager: bool = False             # --chameleon-redundancy eager: takeover by shadow holders
 
     def __post_init__(self) -> None:
         self.store = membership.connect_store()
@@ -241,7 +242,8 @@ class Recovery:
                 "reroute"
         elif self.strategy == "takeover":
             new = takeover(plan, lost, None if profile is None else
-                           lambda n, first, last: planner.stage_cost_ms(profile, n, first, last))
+                           lambda n, first, last: planner.stage_cost_ms(profile, n, first, last),
+                           self.eager)
         elif self.strategy == "reparallelize":  # nothing measured yet: layers as the cost
             new = reparallelize(plan, lost, lambda n, first, last: float(n),
                                 lambda layers, d: [layers // d + (i < layers % d)
@@ -253,7 +255,7 @@ class Recovery:
         decision = {"strategy": strategy, "plan": new.to_dict(), "switch": None,
                     "candidates": [], "profile": None, "predicted_iter_ms": None}
         if profile is not None:
-            ranked = planner.predicted(strategy, new, plan, lost, profile)
+            ranked = planner.predicted(strategy, new, plan, lost, profile, self.eager)
             decision.update(predicted_iter_ms=ranked.iteration_ms,
                             candidates=[ranked.summary()], profile=profile.source)
         return json.dumps(decision)

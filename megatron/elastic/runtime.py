@@ -18,7 +18,9 @@ from megatron.core.transformer import TransformerConfig
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import OpKind, Schedule, forward_only
+from chameleon_ext.strategies import redundancy
 from megatron.elastic import grad_reduction, parallel_state, stage_model, state_transfer, wgrad
+from megatron.elastic.shadows import Shadows
 from megatron.elastic.schedules import ComputeClock, Executor, StageRuntime
 
 # model_provider(config, pre_process, post_process) -> megatron-core GPTModel
@@ -45,6 +47,7 @@ class Built:
     eval_schedule: Schedule
     groups: parallel_state.RankGroups
     received_bytes: int = 0           # state this rank got from peers for layers new to it
+    shadows: Shadows | None = None    # eager redundancy's copies (held and refreshed)
 
 
 def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
@@ -53,10 +56,11 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
           seq_length: int, get_batch: Callable[[int, int], dict], forward_step, loss_func,
           timeout: timedelta | None = None, timers=None, executor: str = "ir",
           compute_clock: ComputeClock | None = None,
-          carried: state_transfer.CarriedState | None = None) -> Built:
+          carried: state_transfer.CarriedState | None = None, eager: bool = False) -> Built:
     """`carried`: this rank's parameters, optimizer state and LR schedule under the plan
     before (after a failure), restored into the new runtime; the layers it did not hold
-    come from the peers that do (collective: every rank of the new world passes its state)."""
+    come from the peers that do (collective: every rank of the new world passes its state).
+    `eager`: keep eager redundancy's shadow copies, where the plan has them."""
     schedule = choose_schedule(plan)
     split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
     groups = parallel_state.initialize(plan, rank, timeout)
@@ -110,6 +114,9 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         embedding_contributor=groups.embedding_contributor,
         before_forward=seeder.at if seeder else None, timers=timers, compute_clock=compute_clock, wgrad=store,
         grad_reduction=reduction)
+    pairs = redundancy.shadow_pairs(plan) if eager else []
+    if pairs:
+        rt.shadows = Shadows(rt, tied_embeddings, pairs)
     received = 0
     if carried is not None:
         received = state_transfer.fetch_missing(
@@ -119,4 +126,5 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         from megatron.elastic.mcore_executor import MegatronCoreExecutor
         return Built(rt, MegatronCoreExecutor(rt), schedule, forward_only(plan), groups,
                      received)
-    return Built(rt, Executor(rt, schedule), schedule, forward_only(plan), groups, received)
+    return Built(rt, Executor(rt, schedule), schedule, forward_only(plan), groups, received,
+                 rt.shadows)

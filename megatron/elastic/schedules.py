@@ -36,6 +36,7 @@ TIMER_OF = {
     OpKind.SEND_BWD: "backward-send", OpKind.REDUCE_GRADS: "grads-all-reduce",
     OpKind.OPT_STEP: "optimizer",
 }
+SHADOW_SYNC = "shadow-sync"  # eager redundancy's refresh, before an iteration's first op
 
 
 @dataclass
@@ -85,6 +86,7 @@ class StageRuntime:
     # the stage's replicas plus the tied-embedding sum do it all.
     grad_reduction: GradReduction | None = None
     compute_clock: ComputeClock | None = None
+    shadows: object | None = None  # megatron.elastic.shadows.Shadows: refreshed first
     first: bool = field(init=False)
     last: bool = field(init=False)
 
@@ -122,6 +124,16 @@ class Executor:
         rt.optimizer.zero_grad()
         self._loss_sum.zero_()
         self._sends, self._recvs = self._fused_sends, self._fused_recvs
+        self._position, self._started = 0, False  # a failed refresh drains the whole list
+        if rt.shadows is not None:
+            timer = rt.timers(SHADOW_SYNC, log_level=2) if rt.timers else None
+            if timer:
+                timer.start()
+            try:
+                rt.shadows.sync()
+            finally:
+                if timer:
+                    timer.stop()
         result: tuple = (True, None)
         loss = float("nan")
         for self._position, op in enumerate(ops):

@@ -77,14 +77,14 @@ def fetch_missing(state: CarriedState, needed: dict[str, torch.Tensor]) -> int:
     world = dist.get_world_size()
     me = dist.get_rank()
     want = sorted(set(needed) - set(state.params))
-    views: list = [None] * world
-    dist.all_gather_object(views, (sorted(state.params), want))
+    offers: list = [None] * world
+    dist.all_gather_object(offers, (sorted(state.params), want))
     holder: dict[str, int] = {}
-    for r, (held, _) in enumerate(views):
+    for r, (held, _) in enumerate(offers):
         for name in held:
             holder.setdefault(name, r)
     pairs: dict[tuple[int, int], list[str]] = {}  # (src, dst) -> names, sorted
-    for dst, (_, missing) in enumerate(views):
+    for dst, (_, missing) in enumerate(offers):
         for name in missing:
             if name not in holder:
                 raise RuntimeError(f"rank {dst} needs {name}, which no surviving rank holds")
@@ -93,26 +93,28 @@ def fetch_missing(state: CarriedState, needed: dict[str, torch.Tensor]) -> int:
         return 0
     # What each sender's optimizer state looks like, so receivers can size their buffers.
     layouts: list = [None] * world
-    dist.all_gather_object(layouts, {name: _state_layout(state.optimizer.get(name, {}))
+    dist.all_gather_object(layouts, {name: state_layout(state.optimizer.get(name, {}))
                                      for (src, _), names in pairs.items() if src == me
                                      for name in names})
     handles, incoming = [], []
     for (src, dst), names in sorted(pairs.items()):
         if src == me:
-            for flat in _pack([t for name in names for t in _tensors(state, name)]).values():
+            packed = pack_by_dtype([t for name in names for t in tensors_of(state, name)])
+            for flat in packed.values():
                 handles.append(dist.isend(flat, dst))
         elif dst == me:
             layout = {name: layouts[src][name] for name in names}
-            templates = [t for name in names for t in [needed[name], *_templates(layout[name], needed[name].device)]]
-            buffers = _pack(templates, empty=True)
+            empties = [t for name in names for t in
+                       [needed[name], *templates(layout[name], needed[name].device)]]
+            buffers = pack_by_dtype(empties, empty=True)
             handles += [dist.irecv(flat, src) for flat in buffers.values()]
-            incoming.append((names, layout, templates, buffers))
+            incoming.append((names, layout, empties, buffers))
     for h in handles:
         h.wait()
     received = 0
-    for names, layout, templates, buffers in incoming:
+    for names, layout, empties, buffers in incoming:
         received += sum(b.numel() * b.element_size() for b in buffers.values())
-        tensors = iter(_unpack(templates, buffers))
+        tensors = iter(v.clone() for v in views(empties, buffers))
         for name in names:
             state.params[name] = next(tensors)
             state.optimizer[name] = {k: next(tensors) if kind == "tensor" else value
@@ -120,24 +122,25 @@ def fetch_missing(state: CarriedState, needed: dict[str, torch.Tensor]) -> int:
     return received
 
 
-def _state_layout(opt: dict) -> list[tuple[str, str, object]]:
+def state_layout(opt: dict) -> list[tuple[str, str, object]]:
     """(key, "tensor", (shape, dtype)) or (key, "value", the value) for each entry."""
     return [(k, "tensor", (tuple(v.shape), str(v.dtype).removeprefix("torch.")))
             if isinstance(v, torch.Tensor) else (k, "value", v) for k, v in sorted(opt.items())]
 
 
-def _templates(layout, device: torch.device) -> list[torch.Tensor]:
+def templates(layout, device: torch.device) -> list[torch.Tensor]:
     return [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, kind, v in layout
             if kind == "tensor" for shape, dtype in [v]]
 
 
-def _tensors(state: CarriedState, name: str) -> list[torch.Tensor]:
+def tensors_of(state: CarriedState, name: str) -> list[torch.Tensor]:
     opt = state.optimizer.get(name, {})
     return [state.params[name], *(v for _, v in sorted(opt.items())
                                   if isinstance(v, torch.Tensor))]
 
 
-def _pack(tensors: list[torch.Tensor], empty: bool = False) -> dict[torch.dtype, torch.Tensor]:
+def pack_by_dtype(tensors: list[torch.Tensor],
+                  empty: bool = False) -> dict[torch.dtype, torch.Tensor]:
     """One flat buffer per dtype, in the tensors' order (uninitialised when `empty`)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
@@ -149,13 +152,14 @@ def _pack(tensors: list[torch.Tensor], empty: bool = False) -> dict[torch.dtype,
             for d, ts in sorted(by_dtype.items(), key=lambda x: str(x[0]))}
 
 
-def _unpack(templates: list[torch.Tensor], buffers: dict[torch.dtype, torch.Tensor]
-            ) -> list[torch.Tensor]:
+def views(templates: list[torch.Tensor], buffers: dict[torch.dtype, torch.Tensor]
+          ) -> list[torch.Tensor]:
+    """Each template's place in pack_by_dtype's buffers, as a view of them."""
     offsets = {d: 0 for d in buffers}
     out = []
     for t in templates:
         o = offsets[t.dtype]
-        out.append(buffers[t.dtype][o:o + t.numel()].view(t.shape).clone())
+        out.append(buffers[t.dtype][o:o + t.numel()].view(t.shape))
         offsets[t.dtype] = o + t.numel()
     return out
 

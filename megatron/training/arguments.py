@@ -133,6 +133,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--chameleon-profile", default=None, metavar="PATH",
                    help="performance-model profile (JSON, e.g. from tools/profile_model.py) to "
                         "plan with until this job's own timers have calibrated one")
+    g.add_argument("--chameleon-redundancy", choices=("none", "eager"), default="none",
+                   help="eager: every stage's parameters and optimizer state are also held by an "
+                        "adjacent stage (refreshed every iteration), so a takeover moves no state")
     g.add_argument("--chameleon-inject", action="append", default=[], metavar="SPEC",
                    help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward (repeatable; "
                         "kinds kill, exit, hang, slow; phases forward, backward, grad-reduce, "
@@ -226,6 +229,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                 need(Path(prefix + ext).is_file(),
                      f"--data-path {prefix}: {prefix + ext} does not exist")
 
+    need(not (args.chameleon_redundancy == "eager" and args.chameleon_executor != "ir"),
+         "--chameleon-redundancy eager needs --chameleon-executor ir")
     need(not (args.chameleon and args.chameleon_executor != "ir"),
          "--chameleon recovers only with --chameleon-executor ir")
     for spec in args.chameleon_inject:

@@ -66,7 +66,8 @@ class JobClock:
                          remaining_iterations=args.train_iters - iteration + 1,
                          mtbf_hours=mtbf,
                          failure_free_ms=statistics.median(recent) if recent else 0.0,
-                         save_interval=args.save_interval or 0)
+                         save_interval=args.save_interval or 0,
+                         eager_redundancy=args.chameleon_redundancy == "eager")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from chameleon_ext.schedule_ir import COMPUTE, OpKind
 from chameleon_ext.faults import FaultSpecError, Injector, parse_injects
 from megatron.elastic import cpu_compat, runtime, state_transfer
 from megatron.elastic.calibration import LiveCalibration
-from megatron.elastic.schedules import ComputeClock
+from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock
 from megatron.elastic.recovery import PHASE_OF, NotNeeded, Planning, Recovery, Unrecoverable
 from megatron.training import checkpointing, planning
 from megatron.training.arguments import ArgumentError, parse_args
@@ -141,7 +141,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         except ProfileError as e:
             _fail(str(e))
         recovery = Recovery(args.distributed_backend, strategy=args.chameleon_strategy,
-                            injector=injector)
+                            injector=injector, eager=args.chameleon_redundancy == "eager")
         calibration = LiveCalibration(recovery.members.store, recovery.launch_rank, timers,
                                       base, compute_clock)
         clock = planning.JobClock(args)
@@ -168,11 +168,12 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             seed=args.seed, tied_embeddings=tied, seq_length=args.seq_length,
             get_batch=train_loader.get, forward_step=forward_step, loss_func=loss_func,
             timeout=comm_timeout, timers=timers, executor=args.chameleon_executor,
-            carried=carried, compute_clock=compute_clock)
+            carried=carried, compute_clock=compute_clock,
+            eager=args.chameleon_redundancy == "eager")
         built.runtime.before_op = recovery.before_op if recovery else None
         built.runtime.after_op = _slowed(injector) if injector.has_slow() else None
         if calibration:
-            calibration.start(plan, rank, built.schedule.ops[rank])
+            calibration.start(plan, rank, built.schedule.ops[rank], built.shadows is not None)
         return built
 
     # Everything made so far (imports, data, tokenizer) lives for the whole job: out of the
@@ -237,6 +238,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             recovery.placeholders = built.executor.drain(built.schedule.ops[rank],
                                                          recovery.lost_ranks())
             carried = state_transfer.capture(built.runtime, tied)
+            if built.shadows is not None:
+                built.shadows.add_to(carried)
             built.executor.reset()
             del built
             try:
@@ -353,6 +356,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         _save(args, built.runtime, last, tied, model_meta, None, rank)
         if calibration and rank == 0:
             _save_profile(args, calibration, plan, recovery.alive)
+    if built.shadows is not None:
+        _report_shadows(built.shadows, timers, len(times), rank, metrics)
     if args.chameleon:
         _check_replicas(built.runtime, tied, rank, metrics, bar)
     summary = _summary(rank, plan, args, start, losses, times, tokens_per_iter, events)
@@ -363,6 +368,20 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     if recovery:
         recovery.stop()
     return summary
+
+
+def _report_shadows(shadows, timers, iterations: int, rank: int, metrics: MetricsFile) -> None:
+    """Eager redundancy's measured cost: the largest holder's copies and the slowest refresh
+    (collective: every rank of a plan with shadows calls it)."""
+    mine = (shadows.held_bytes, 1e3 * timers(SHADOW_SYNC, log_level=2).active_time()
+            / max(iterations, 1))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        held, sync = max(b for b, _ in everyone), max(ms for _, ms in everyone)
+        metrics.write("redundancy", held_bytes=held, sync_ms=round(sync, 3))
+        print(f"> eager redundancy: shadow copies of {held / 2**20:.2f} MiB on the largest "
+              f"holder, refreshed in {sync:.2f} ms per iteration (slowest rank)", flush=True)
 
 
 def _check_replicas(rt, tied: bool, rank: int, metrics: MetricsFile, bar) -> None:
@@ -497,7 +516,7 @@ def _slowed(injector: Injector):
 
 _OP_TIMERS = ("forward-recv", "forward-compute", "forward-send", "backward-recv",
               "backward-compute", "backward-input", "backward-weight", "backward-send",
-              "grads-all-reduce", "optimizer")
+              "grads-all-reduce", "optimizer", SHADOW_SYNC)
 
 
 def _has(module: str) -> bool:

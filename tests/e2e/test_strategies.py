@@ -88,3 +88,19 @@ def test_the_hybrid_reroutes_then_restarts_onto_the_replanned_layout(references,
     assert [e["generation"] for e in iters] == [0] * 4 + [1] * 2 + [2] * 4
     assert "> switched at iteration 6 to the restart plan" in run.stdout
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
+
+
+def test_eager_redundancy_takeover_moves_no_state(references, small_data, tmp_path):
+    """--chameleon-redundancy eager: the lost last stage of pipeline 1 is absorbed by the
+    stage that held its shadow copy, so no parameter or optimizer state moves, and the shadow
+    it took over was exactly the lost stage's state (losses and replicas still match)."""
+    run = run_chameleon(4, common(small_data, 2) + [
+        "--chameleon", "--chameleon-strategy", "takeover", "--chameleon-redundancy", "eager",
+        "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"], tmp_path, name="eager")
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = run.metrics
+    assert_close(last_losses(events), references(2))
+    rec = next(e for e in events if e["event"] == "recovery")
+    assert rec["strategy"] == "takeover" and rec["moved_bytes"] == 0
+    assert "now 1 stage(s)" in run.stdout
+    assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]

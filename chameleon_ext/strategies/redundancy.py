@@ -1,0 +1,70 @@
+"""Eager redundancy (`--chameleon-redundancy eager`, Bamboo-style): every stage's parameters and
+optimizer state are also held, as a shadow copy, by an adjacent stage of the same pipeline, so a
+takeover of a lost stage by that neighbour moves no state.
+
+Stages pair up (0 with 1, 2 with 3, ...) and hold each other; in a pipeline of odd depth the last
+stage is held by the one before it. Only plans whose every stage has its ranks keep shadows (a
+rerouted stage has no owner to mirror). The owner refreshes its holder's copy with its updated
+parameters and Adam moments once per iteration, before the next iteration's first op, so a copy
+is always the state at the start of the iteration a failure interrupts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chameleon_ext.perf_model import MIB, Profile, stage_params
+from chameleon_ext.plan import ExecutionPlan
+
+SHADOW_BYTES_PER_PARAM = 12     # fp32 parameter and two Adam moments: no gradient is mirrored
+
+
+def holder_stage(depth: int, stage: int) -> int | None:
+    """The stage of a `depth`-stage pipeline that holds `stage`'s shadow (None: depth 1)."""
+    if depth < 2:
+        return None
+    pair = stage ^ 1
+    return pair if pair < depth else stage - 1
+
+
+def applies(plan: ExecutionPlan) -> bool:
+    return all(st.ranks for p in plan.pipelines for st in p.stages)
+
+
+def shadow_pairs(plan: ExecutionPlan) -> list[tuple[int, int]]:
+    """(owner rank, holder rank) of every shadow copy of `plan`, tensor-parallel shard by shard."""
+    if not applies(plan):
+        return []
+    pairs = []
+    for p in plan.pipelines:
+        depth = len(p.stages)
+        for s, st in enumerate(p.stages):
+            h = holder_stage(depth, s)
+            if h is not None:
+                pairs += list(zip(st.ranks, p.stages[h].ranks))
+    return pairs
+
+
+@dataclass
+class EagerCost:
+    sync_ms: float          # added to every failure-free iteration: the slowest rank's refresh
+    memory_bytes: int       # the largest extra memory of a rank (the shadows it holds)
+
+
+def eager_cost(plan: ExecutionPlan, profile: Profile) -> EagerCost:
+    """What keeping the shadows of `plan` costs per iteration and per rank, from the profile's
+    point-to-point model (scaled by the calibrated shadow_sync_factor): each rank sends its
+    state to its holder and receives the states it holds, one message each."""
+    shape = profile.shape
+    sent: dict[int, int] = {}
+    held: dict[int, int] = {}
+    messages: dict[int, int] = {}
+    for owner, holder in shadow_pairs(plan):
+        nbytes = stage_params(plan, owner, shape) * SHADOW_BYTES_PER_PARAM
+        sent[owner] = sent.get(owner, 0) + nbytes
+        held[holder] = held.get(holder, 0) + nbytes
+        for r in (owner, holder):
+            messages[r] = messages.get(r, 0) + 1
+    sync = max((messages[r] * profile.p2p_alpha_ms + profile.p2p_ms_per_mib *
+                (sent.get(r, 0) + held.get(r, 0)) / MIB for r in messages), default=0.0)
+    return EagerCost(sync * profile.shadow_sync_factor, max(held.values(), default=0))
