@@ -34,6 +34,11 @@ dead; it must not come back). Every agent writes a heartbeat for its node; when 
 agent heartbeat goes stale (and that agent did not say it finished) its workers are reported with
 cause "node". More than --max-failures failures stop the whole job (exit 1).
 
+With --max-restarts N, the agent starts up to N failed workers of its node again, each under a
+new rank (world size + the job's restart count, from the store's ``chameleon/next_member``) with
+CHAMELEON_JOIN=1: the failed rank stays failed, and the new one asks to join the running job
+(pretrain_gpt.py --chameleon admits it at an iteration boundary; see megatron.elastic.recovery).
+
 The agent ends when every worker of the job has exited or been reported failed. Exit status: 0
 when at least one worker finished with 0 and the job was not stopped for --max-failures, else 1;
 on SIGINT/SIGTERM (SIGHUP, SIGQUIT) it terminates its workers (SIGTERM, then SIGKILL after --grace seconds, reaping
@@ -97,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the node-0 agent's store (0: any free port, one node only)")
     p.add_argument("--max-failures", type=int, default=4,
                    help="worker failures the job tolerates before it is stopped (default 4)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="failed workers this node's agent starts again (default 0); a "
+                        "restarted worker gets a new rank and joins the running job "
+                        "(CHAMELEON_JOIN=1: pretrain_gpt.py --chameleon is admitted at an "
+                        "iteration boundary)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds after which a silent heartbeat means a lost worker or node")
     p.add_argument("--store", metavar="HOST:PORT", default=None,
@@ -131,6 +141,8 @@ class Agent:
         self.m: mb.Membership | None = None
         self.ctx = None
         self.running: dict[int, object] = {}     # local rank -> Popen
+        self.restarts = 0
+        self.contexts: list = []                  # of the workers restarted
         self.pids: dict[int, int] = {}
         self.outcome: dict[int, int] = {}         # local rank -> return code
         self.reported: set[int] = set()           # global ranks reported failed by this agent
@@ -232,13 +244,15 @@ class Agent:
         a = self.a
         envs = {}
         for lr, rank in enumerate(self.ranks):
+            restarted = rank >= self.world_size
             e = {
                 "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(self.nproc),
                 "GROUP_RANK": str(self.node), "GROUP_WORLD_SIZE": str(a.nnodes),
                 "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size),
                 "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "chameleon",
-                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RESTART_COUNT": str(self.restarts if restarted else 0),
+                "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),
                 mb.STORE_ENV: self.store_addr,
@@ -247,51 +261,77 @@ class Agent:
             }
             if "OMP_NUM_THREADS" not in os.environ:
                 e["OMP_NUM_THREADS"] = "1"
+            if restarted:
+                e[mb.JOIN_ENV] = "1"
             envs[lr] = e
         return envs
 
-    def _start_workers(self) -> None:
+    def _entry(self) -> tuple[str, tuple[str, ...]]:
         a = self.a
         if a.no_python:
-            entry, pre = a.training_script, ()
-        elif a.module:
-            entry, pre = sys.executable, ("-u", "-m", a.training_script)
-        else:
-            entry, pre = sys.executable, ("-u", a.training_script)
-        args = {lr: (*pre, *a.training_script_args) for lr in range(self.nproc)}
+            return a.training_script, tuple(a.training_script_args)
+        if a.module:
+            return sys.executable, ("-u", "-m", a.training_script, *a.training_script_args)
+        return sys.executable, ("-u", a.training_script, *a.training_script_args)
+
+    def _launch(self, local_ranks: list[int]):
+        """start_processes for these local ranks (their ranks and environment as now)."""
+        a = self.a
+        entry, args = self._entry()
+        envs = self._worker_envs()
         if a.log_dir:
             specs = DefaultLogsSpecs(log_dir=a.log_dir, redirects=Std.ALL, tee=Std.ALL)
-            prefixes = {lr: f"[rank{r}]:" for lr, r in enumerate(self.ranks)}
+            prefixes = {i: f"[rank{self.ranks[lr]}]:" for i, lr in enumerate(local_ranks)}
         else:
-            self.tmp_log_dir = tempfile.mkdtemp(prefix="chameleon_launch_")
+            if self.tmp_log_dir is None:
+                self.tmp_log_dir = tempfile.mkdtemp(prefix="chameleon_launch_")
             specs, prefixes = DefaultLogsSpecs(log_dir=self.tmp_log_dir), None
-        self.ctx = start_processes(name="chameleon", entrypoint=entry, args=args,
-                                   envs=self._worker_envs(), logs_specs=specs,
-                                   log_line_prefixes=prefixes)
+        ctx = start_processes(name="chameleon", entrypoint=entry,
+                              args={i: args for i in range(len(local_ranks))},
+                              envs={i: envs[lr] for i, lr in enumerate(local_ranks)},
+                              logs_specs=specs, log_line_prefixes=prefixes)
         # start_processes installs handlers that raise SignalException; use ours instead.
         self._install_signals()
         now = time.time()
-        for lr, h in self.ctx.subprocess_handlers.items():
-            self.running[lr] = h.proc
-            self.pids[lr] = h.proc.pid
         hostname = socket.gethostname()
-        for lr, rank in enumerate(self.ranks):
-            pid = self.pids[lr]
+        for i, lr in enumerate(local_ranks):
+            proc = ctx.subprocess_handlers[i].proc
+            self.running[lr] = proc
+            self.pids[lr] = proc.pid
             try:
-                pgid = os.getpgid(pid)
+                pgid = os.getpgid(proc.pid)
             except ProcessLookupError:
-                pgid = pid
+                pgid = proc.pid
+            rank = self.ranks[lr]
             self._safe(self.store.set, mb.key_worker(rank), json.dumps(
                 {"rank": rank, "local_rank": lr, "node": self.node, "host": hostname,
-                 "pid": pid, "pgid": pgid, "agent_pid": os.getpid(), "started": now}))
+                 "pid": proc.pid, "pgid": pgid, "agent_pid": os.getpid(), "started": now}))
+        return ctx
+
+    def _start_workers(self) -> None:
+        self.ctx = self._launch(list(range(self.nproc)))
+        hostname = socket.gethostname()
         self._safe(self.store.set, mb.key_node(self.node), json.dumps(
             {"node": self.node, "host": hostname, "agent_pid": os.getpid(),
-             "ranks": self.ranks, "started": now}))
+             "ranks": self.ranks, "started": time.time()}))
         pids = ", ".join(str(self.pids[lr]) for lr in range(self.nproc))
         span = (f"rank {self.ranks[0]}" if self.nproc == 1
                 else f"ranks {self.ranks[0]}-{self.ranks[-1]}")
         log(f"node {self.node}: started {self.nproc} worker(s), {span} of {self.world_size} "
             f"(pids {pids}); store {self.store_addr}")
+
+    def _restart(self, lr: int) -> None:
+        """Start a failed worker's slot again under a new rank (world_size + the job's count of
+        restarts so far): its old rank stays failed on the store; the new one joins."""
+        count = self._safe(self.store.add, mb.KEY_NEXT_MEMBER, 1)
+        if count is None:
+            return
+        old, self.restarts = self.ranks[lr], self.restarts + 1
+        self.ranks[lr] = self.world_size + count - 1
+        self.contexts.append(self._launch([lr]))
+        log(f"restarted worker rank {old} as rank {self.ranks[lr]} (pid {self.pids[lr]}), "
+            f"restart {self.restarts} of --max-restarts {self.a.max_restarts}; it joins the "
+            "running job")
 
     def _signal_worker(self, lr: int, sig: int) -> None:
         pid = self.pids[lr]
@@ -351,7 +391,7 @@ class Agent:
         ages = self._safe(self.m.heartbeat_ages, ranks) or {}
         for rank, age in ages.items():
             if age > self.a.heartbeat_timeout:
-                lr = rank - self.node * self.nproc
+                lr = self.ranks.index(rank)
                 rec = self._safe(self.m.report_failure, rank, "hang",
                                  f"heartbeat silent for {age:.1f} s",
                                  reporter=f"agent node {self.node} pid {os.getpid()}")
@@ -438,9 +478,10 @@ class Agent:
     def _accounted(self) -> bool:
         fails = self._safe(self.m.failures)
         exits = self._safe(self.m.exited)
-        if fails is None or exits is None:
+        restarted = self._safe(self.store.add, mb.KEY_NEXT_MEMBER, 0)
+        if fails is None or exits is None or restarted is None:
             return True                 # no store: nothing more to wait for
-        return set(range(self.world_size)) <= set(fails) | set(exits)
+        return set(range(self.world_size + restarted)) <= set(fails) | set(exits)
 
     # ------------------------------------------------------------------ main
 
@@ -455,11 +496,12 @@ class Agent:
             self.stop_signal = self.stop_signal or int(e.sigval)
             return self._interrupted()
         finally:
-            if self.ctx is not None:
-                try:
-                    self.ctx.close(timeout=1)
-                except Exception:
-                    pass
+            for ctx in [self.ctx, *self.contexts]:
+                if ctx is not None:
+                    try:
+                        ctx.close(timeout=1)
+                    except Exception:
+                        pass
             if self.tmp_log_dir:
                 shutil.rmtree(self.tmp_log_dir, ignore_errors=True)
 
@@ -483,6 +525,8 @@ class Agent:
                 return self._interrupted()
             for lr, rc in self._reap():
                 self._handle_exit(lr, rc)
+                if rc != 0 and self.aborted is None and self.restarts < a.max_restarts:
+                    self._restart(lr)
             self._last_loop = time.time()
             if not self.running:
                 break
@@ -564,9 +608,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: --node-rank {args.node_rank} is not in 0..{args.nnodes - 1}",
               file=sys.stderr)
         return 2
-    if args.max_failures < 0 or args.heartbeat_timeout <= 0:
-        print(f"{PROG}: error: --max-failures must be >= 0 and --heartbeat-timeout > 0",
-              file=sys.stderr)
+    if args.max_failures < 0 or args.max_restarts < 0 or args.heartbeat_timeout <= 0:
+        print(f"{PROG}: error: --max-failures and --max-restarts must be >= 0 and "
+              "--heartbeat-timeout > 0", file=sys.stderr)
         return 2
     if args.store:
         try:

@@ -26,6 +26,13 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
     chameleon/gen/{g}/arrivals         append log "r,r,..." of arrived ranks
     chameleon/gen/{g}/final            JSON Agreement, written once (compare_set) by the leader
     chameleon/gen/{g}/pub/{key}        bytes published for generation g (e.g. the plan JSON)
+    chameleon/next_member              counter: a restarted worker's rank is world_size + its
+                                       value (set by the agent that restarts it)
+    chameleon/joins                    append log "r,r,..." of ranks asking to join
+    chameleon/admission/{n}            JSON {"after": iteration, "joiners": [...]}: the n-th
+                                       admission, at the end of that iteration (its leader)
+    chameleon/admit/{rank}             JSON {"generation", "candidates", "admission"}: where a
+                                       joiner meets the others
 
 Process groups of generation g rendezvous on ``PrefixStore(f"gen{g}", store)`` (see
 ``generation_store`` and ``rebuild_world``); generation 0 may also use ``env://`` under the launcher
@@ -66,6 +73,7 @@ import torch.distributed as dist
 
 STORE_ENV = "CHAMELEON_STORE"
 HEARTBEAT_ENV = "CHAMELEON_HEARTBEAT_TIMEOUT"
+JOIN_ENV = "CHAMELEON_JOIN"     # "1": a restarted worker, joining a running job
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 ROOT = "chameleon"
 
@@ -106,6 +114,18 @@ KEY_FAILURES = f"{ROOT}/failures"
 KEY_EXITS = f"{ROOT}/exits"
 KEY_ABORT = f"{ROOT}/abort"
 KEY_GENERATION = f"{ROOT}/generation"
+
+
+KEY_NEXT_MEMBER = f"{ROOT}/next_member"
+KEY_JOINS = f"{ROOT}/joins"
+
+
+def key_admission(n: int) -> str:
+    return f"{ROOT}/admission/{n}"
+
+
+def key_admit(rank: int) -> str:
+    return f"{ROOT}/admit/{rank}"
 
 
 def key_dying(rank: int) -> str:
@@ -432,6 +452,14 @@ class Membership:
     def exited(self) -> list[int]:
         """Ranks that exited cleanly (exit code 0)."""
         return sorted(_read_log(self.store, KEY_EXITS))
+
+    def request_join(self) -> None:
+        """This (restarted or new) rank asks to be admitted at the next iteration boundary."""
+        self.store.append(KEY_JOINS, f"{self._require_rank('join')},")
+
+    def joins(self) -> list[int]:
+        """Every rank that ever asked to join."""
+        return sorted(_read_log(self.store, KEY_JOINS))
 
     def announce_death(self) -> None:
         """An injected fault is about to stop this rank: its exact time, to measure detection."""

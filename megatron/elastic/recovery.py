@@ -27,6 +27,7 @@ from chameleon_ext.perf_model import Profile
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.planner import Situation
 from chameleon_ext.schedule_ir import Op, OpKind
+from chameleon_ext.strategies.rejoin import overlay
 from chameleon_ext.strategies.reroute import reroute
 from chameleon_ext.strategies.restart import restart_plan
 from chameleon_ext.strategies.reparallelize import reparallelize
@@ -83,13 +84,19 @@ class Recovery:
     injector: Injector = field(default_factory=lambda: Injector([], 0))
     planning: "Planning | None" = None
     eager: bool = False             # --chameleon-redundancy eager: takeover by shadow holders
+    target: ExecutionPlan | None = None  # the failure-free plan: where a rejoin goes back to
 
     def __post_init__(self) -> None:
         self.store = membership.connect_store()
         self.members = membership.Membership.from_env(self.store)
         self.launch_rank = self.members.rank
-        self.alive = list(range(self.members.world_size))  # launch rank of each current rank
+        # A restarted worker (chameleon-launch --max-restarts) joins a running job: its world
+        # is known once it is admitted.
+        self.joining = os.environ.get(membership.JOIN_ENV) == "1"
+        self.alive = [] if self.joining else list(range(self.members.world_size))
         self.generation = 0
+        self.admissions = 0             # admissions of joiners so far (membership key layout)
+        self.admitted: set[int] = set()
         self.members.start_heartbeat()
         self.injector.announce = self.members.announce_death
         # A rank busy computing would notice a peer's death only at its next communication
@@ -147,24 +154,41 @@ class Recovery:
         noticed at `noticed` (time.time(): its reconfiguration starts there). A
         survivor lost meanwhile (before the new world exists) starts the agreement over, one
         generation up, with the failures counted from `plan`."""
-        parallel_state.destroy()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # Destroyed groups sit in reference cycles; only their collection closes the sockets,
-        # which is what makes peers still blocked on us fail now instead of at their timeout.
-        gc.collect()
+        self._leave_world()
         self.placeholders = []  # the drain's sends, kept until their group was gone
         first_notice = self.members.notice(self.generation + 1, noticed)
-        candidates, generation = self.alive, self.generation + 1
+
+        def decide(ag: membership.Agreement) -> str:
+            lost = {i for i, r in enumerate(self.alive) if r not in ag.alive}
+            return self._choose(plan, lost, len(ag.alive), iteration)
+
+        ag, choice, new_plan, rank, causes = self._reconfigure(self.alive, self.generation + 1,
+                                                               decide, iteration)
+        failed = [r for r in self.alive if r not in ag.alive]
+        records = self.members.failures()
+        # From the death to its first sign anywhere: a survivor's failed op, or the record.
+        detect = [min(first_notice, records[r].time) - self.members.death_time(r, records[r])
+                  for r in failed if r in records]
+        old_generation = self._enter(ag)
+        return Outcome(new_plan, rank, choice["strategy"], failed,
+                       {r: causes.get(r, "failed") for r in failed},
+                       1e3 * max(detect) if detect else None, first_notice,
+                       old_generation, choice)
+
+    def _reconfigure(self, candidates: list[int], generation: int,
+                     decide: Callable[[membership.Agreement], str], iteration: int
+                     ) -> tuple[membership.Agreement, dict, ExecutionPlan, int, dict[int, str]]:
+        """Agree on the alive set among `candidates` (launch ranks) for `generation`, let the
+        leader `decide` the plan (JSON, or "none") and publish it, and build the new world. A
+        candidate lost meanwhile (before the new world exists) starts it over, one generation
+        up. Returns the agreement, the decision, its plan, this rank's rank in it and the
+        causes of the candidates dropped."""
         causes: dict[int, str] = {}
         while True:
             ag = self.members.agree(generation, candidates, self.agree_timeout_s)
             causes.update(ag.causes)
-            failed = [r for r in self.alive if r not in ag.alive]
             if ag.leader == self.launch_rank:
-                lost = {self.alive.index(r) for r in failed}
-                self.members.publish(ag.generation, "plan",
-                                     self._choose(plan, lost, len(ag.alive), iteration))
+                self.members.publish(ag.generation, "plan", decide(ag))
             try:
                 text = self.members.read(ag.generation, "plan", publisher=ag.leader).decode()
             except membership.PublishTimeout:
@@ -172,6 +196,7 @@ class Recovery:
                 generation = ag.generation + 1
                 continue
             if text == "none":
+                failed = [r for r in self.alive if r not in ag.alive]
                 raise Unrecoverable(f"lost launch rank(s) {failed}: no plan fits the "
                                     f"{len(ag.alive)} survivor(s), not even one pipeline")
             choice = json.loads(text)
@@ -190,18 +215,105 @@ class Recovery:
             generation = ag.generation + 1
         rank = membership.rebuild_world(self.store, ag, self.launch_rank, self.backend)
         new_plan.generation = ag.generation  # one generation count: the membership's
-        records = self.members.failures()
-        # From the death to its first sign anywhere: a survivor's failed op, or the record.
-        detect = [min(first_notice, records[r].time) - self.members.death_time(r, records[r])
-                  for r in failed if r in records]
+        return ag, choice, new_plan, rank, causes
+
+    def _enter(self, ag: membership.Agreement) -> int:
+        """The agreed world is this rank's now; returns the generation it leaves."""
         with self._alive_lock:
             old_generation, self.generation, self.alive = self.generation, ag.generation, \
                 ag.alive
             self.peer_failed.clear()
-        return Outcome(new_plan, rank, choice["strategy"], failed,
-                       {r: causes.get(r, "failed") for r in failed},
-                       1e3 * max(detect) if detect else None, first_notice,
+        return old_generation
+
+    # ---- rejoin -------------------------------------------------------------------------------
+    def admission_due(self, iteration: int) -> bool:
+        """At the end of `iteration` (every rank, the same answer): whether the ranks that asked
+        to join are admitted now. The leader schedules an admission for the end of the next
+        iteration: every rank reaches that boundary only after the leader's world loss sum of
+        it, so after the leader wrote the record."""
+        key = membership.key_admission(self.admissions)
+        if self.launch_rank == min(self.alive) and not self.store.check([key]):
+            failed = self.members.failures()
+            waiting = [r for r in self.members.joins()
+                       if r not in self.alive and r not in failed and r not in self.admitted]
+            if waiting:
+                self.store.set(key, json.dumps({"after": iteration + 1, "joiners": waiting}))
+        return self.store.check([key]) and \
+            iteration >= json.loads(self.store.get(key))["after"]
+
+    def admit(self, plan: ExecutionPlan, iteration: int, scheduler: dict) -> Outcome:
+        """Admit the joiners of the due admission after `iteration`: one generation up, the
+        failure-free plan laid over the grown world (strategies.rejoin); `scheduler`: the LR
+        schedule's state, which the joiners take."""
+        record = json.loads(self.store.get(membership.key_admission(self.admissions)))
+        self._leave_world()
+        generation = self.generation + 1
+        candidates = sorted(set(self.alive) | set(record["joiners"]))
+        if self.launch_rank == min(self.alive):
+            for r in record["joiners"]:
+                self.store.set(membership.key_admit(r), json.dumps(
+                    {"generation": generation, "candidates": candidates,
+                     "admission": self.admissions}))
+        self.admissions += 1
+        self.admitted.update(record["joiners"])
+        started = time.time()
+        ag, choice, new_plan, rank, _ = self._reconfigure(
+            candidates, generation,
+            lambda ag: self._choose_rejoin(plan, ag, iteration, scheduler), iteration)
+        old_generation = self._enter(ag)
+        return Outcome(new_plan, rank, choice["strategy"], [], {}, None, started,
                        old_generation, choice)
+
+    def join(self, timeout_s: float) -> Outcome:
+        """A restarted or new rank: ask to join, wait for the admission, enter the world."""
+        self.members.request_join()
+        key = membership.key_admit(self.launch_rank)
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise Unrecoverable(f"launch rank {self.launch_rank} asked to join and was not "
+                                    f"admitted within {timeout_s:g} s")
+            time.sleep(0.05)
+        admit = json.loads(self.store.get(key))
+        self.admissions = admit["admission"] + 1
+        self.alive = [r for r in admit["candidates"] if r != self.launch_rank]
+        self.admitted = set(admit["candidates"])
+        started = time.time()
+        # a joiner never leads (its rank is above every stayer's) unless no stayer is left
+        ag, choice, new_plan, rank, _ = self._reconfigure(
+            admit["candidates"], admit["generation"], lambda ag: "none", 0)
+        old_generation = self._enter(ag)
+        return Outcome(new_plan, rank, choice["strategy"], [], {}, None, started,
+                       old_generation, choice)
+
+    def _choose_rejoin(self, plan: ExecutionPlan, ag: membership.Agreement, iteration: int,
+                       scheduler: dict) -> str:
+        """The leader's decision for the grown world: the failure-free plan over it, each
+        stayer on the layers it holds; with fewer ranks than that plan, the places nobody
+        takes are absorbed by the --chameleon-strategy as if they had failed."""
+        members = [self.alive.index(r) if r in self.alive else None for r in ag.alive]
+        new, lost = overlay(self.target, plan, members)
+        if lost:
+            decision = json.loads(self._choose(new, lost, len(ag.alive), iteration))
+        else:
+            decision = {"strategy": "rejoin", "plan": new.to_dict(), "switch": None,
+                        "candidates": [], "profile": None, "predicted_iter_ms": None}
+            profile = self.planning.profile(plan, self.alive) if self.planning else None
+            if profile is not None:
+                ranked = planner.predicted("rejoin", new, new, set(), profile, self.eager)
+                decision.update(predicted_iter_ms=ranked.iteration_ms,
+                                candidates=[ranked.summary()], profile=profile.source)
+        decision.update(iteration=iteration, scheduler=scheduler,
+                        joined=[r for r in ag.alive if r not in self.alive])
+        return json.dumps(decision)
+
+    def _leave_world(self) -> None:
+        parallel_state.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # Destroyed groups sit in reference cycles; only their collection closes the sockets,
+        # which is what makes peers still blocked on us fail now instead of at their timeout.
+        gc.collect()
 
     def _choose(self, plan: ExecutionPlan, lost: set[int], survivors: int,
                 iteration: int) -> str:

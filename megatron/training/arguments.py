@@ -136,6 +136,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--chameleon-redundancy", choices=("none", "eager"), default="none",
                    help="eager: every stage's parameters and optimizer state are also held by an "
                         "adjacent stage (refreshed every iteration), so a takeover moves no state")
+    g.add_argument("--chameleon-join-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="how long a restarted worker waits to be admitted into the running job")
     g.add_argument("--chameleon-inject", action="append", default=[], metavar="SPEC",
                    help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward (repeatable; "
                         "kinds kill, exit, hang, slow; phases forward, backward, grad-reduce, "
@@ -239,6 +241,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         except FaultSpecError as e:
             raise ArgumentError(f"--chameleon-inject {spec!r}: {e}") from None
     need(args.chameleon_comm_timeout > 0, "--chameleon-comm-timeout must be positive")
+    need(args.chameleon_join_timeout > 0, "--chameleon-join-timeout must be positive")
     need(args.chameleon_mtbf is None or args.chameleon_mtbf > 0,
          "--chameleon-mtbf must be positive (hours)")
     if args.chameleon_profile is not None:

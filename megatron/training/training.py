@@ -127,7 +127,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         _fail("--chameleon needs the job to run under chameleon-launch (no CHAMELEON_STORE)")
     args.padded_vocab_size = _pad_vocab(tokenizer.vocab_size, args)
 
-    rank, world = initialize_distributed(args)
+    joining = args.chameleon and os.environ.get(membership.JOIN_ENV) == "1"
+    if not joining:  # a restarted worker gets its world when it is admitted
+        rank, world = initialize_distributed(args)
     cpu_compat.apply()
     from megatron.core.timers import Timers
     # Calibration reads the executor's per-op timers (level 2) whether or not they are logged.
@@ -141,7 +143,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         except ProfileError as e:
             _fail(str(e))
         recovery = Recovery(args.distributed_backend, strategy=args.chameleon_strategy,
-                            injector=injector, eager=args.chameleon_redundancy == "eager")
+                            injector=injector, eager=args.chameleon_redundancy == "eager",
+                            target=plan)
         calibration = LiveCalibration(recovery.members.store, recovery.launch_rank, timers,
                                       base, compute_clock)
         clock = planning.JobClock(args)
@@ -180,14 +183,29 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     # collector's sight, so that the collections at a recovery (which close the old groups'
     # sockets) take milliseconds, not half a second.
     gc.freeze()
-    built = build(plan, rank)
+    start = 0
+    if joining:
+        try:
+            out = recovery.join(timeout_s=args.chameleon_join_timeout)
+        except (Unrecoverable, membership.MembershipError) as why:
+            _fail(f"cannot join the job: {why}")
+        plan, rank = out.plan, out.rank
+        # Nothing of the model is here yet: every layer, its Adam moments, and the LR
+        # schedule come from the ranks that stayed.
+        built = build(plan, rank, carried=state_transfer.CarriedState(
+            {}, {}, out.decision["scheduler"]))
+        _world_sum(built.received_bytes)
+        start = out.decision["iteration"]
+        print(f"> launch rank {recovery.launch_rank} joined the job after iteration {start}: "
+              f"rank {rank} of {plan.world_size}, generation {plan.generation}", flush=True)
+    else:
+        built = build(plan, rank)
     set_random_seeds(args.seed)
     model_meta = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                   "tensor_parallel": plan.tensor_parallel, "global_batch_size": plan.global_batch_size,
                   "seq_length": args.seq_length}
 
-    start = 0
-    if args.load:
+    if args.load and not joining:
         try:
             meta = checkpointing.load(args.load, built.runtime, tied_embeddings=tied,
                                       expect=model_meta)
@@ -343,6 +361,30 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                                                  switch["strategy"])
             switch = None
             watch.lap_ms()
+        if recovery and recovery.admission_due(it):
+            scheduler = built.runtime.scheduler.state_dict()
+            carried = state_transfer.capture(built.runtime, tied)
+            if built.shadows is not None:
+                built.shadows.add_to(carried)
+            del built
+            try:
+                out = recovery.admit(plan, it, scheduler)
+            except (Unrecoverable, membership.MembershipError) as why:
+                _fail(f"cannot admit the ranks that rejoined after iteration {it}: {why}")
+            plan, rank = out.plan, out.rank
+            built = build(plan, rank, carried=carried)
+            del carried
+            moved = _world_sum(built.received_bytes)
+            strategy = out.strategy
+            events.append((len(times), plan.generation))
+            if rank == 0:
+                if check and check.result():
+                    _report_prediction(metrics, bar, check)
+                _report_rejoin(metrics, bar, out, it, plan, moved)
+                predicted = out.decision.get("predicted_iter_ms")
+                check = planning.PredictionCheck(predicted, it, out.strategy) if predicted \
+                    else None
+            watch.lap_ms()
         if bar:
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.4f}")
@@ -492,6 +534,19 @@ def _report_recovery(metrics, bar, out, it, plan, error: str, times, resume: int
                      f"{sw['at_iteration']} (predicted {sw['predicted_iter_ms']:.1f} ms/iteration)")
     for line in lines:
         _write(bar, 0, line)
+
+
+def _report_rejoin(metrics, bar, out, it: int, plan: ExecutionPlan, moved_bytes: int) -> None:
+    reconfigure_ms = 1e3 * (time.time() - out.first_notice)
+    joined = out.decision["joined"]
+    metrics.write("rejoin", iteration=it, joined=joined, strategy=out.strategy,
+                  generation=plan.generation, world=plan.world_size, moved_bytes=moved_bytes,
+                  reconfigure_ms=round(reconfigure_ms, 1),
+                  predicted_iter_ms=out.decision["predicted_iter_ms"], plan=plan.to_dict())
+    _write(bar, 0, f"> rejoin after iteration {it}: launch rank(s) {joined} admitted; "
+                   f"{out.strategy} plan {_layout_text(plan)} on {plan.world_size} ranks, "
+                   f"generation {plan.generation}; {moved_bytes / 2**20:.2f} MiB of parameters "
+                   f"and optimizer state moved to them; reconfigured in {reconfigure_ms:.0f} ms")
 
 
 def _report_prediction(metrics, bar, check) -> None:
