@@ -123,7 +123,9 @@ def _layout(plan: ExecutionPlan) -> str:
 
 
 def horizon_iterations(situation: Situation, iteration_ms: float) -> float:
-    """Iterations expected before the next event."""
+    """Iterations expected before the next event, at `iteration_ms` each. The candidates are
+    compared on one such count (the same work): with a horizon in time instead, every plan
+    would fill it exactly and only the transitions would differ."""
     n = float(situation.remaining_iterations)
     if situation.mtbf_hours and iteration_ms > 0:
         n = min(n, situation.mtbf_hours * 3.6e6 / iteration_ms)
@@ -170,12 +172,14 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
     if situation.eager_redundancy:
         for c in (c for c in (took, took_all, restarted) if c is not None):
             _add_upkeep(c, after)
+    pace = situation.failure_free_ms or min((c.iteration_ms for c in out if c.feasible),
+                                            default=0.0)
+    horizon = horizon_iterations(situation, pace)
     for c in out:
         if c.feasible:
-            c.total_ms = c.transition_ms + horizon_iterations(situation, c.iteration_ms) * \
-                c.iteration_ms
+            c.total_ms = c.transition_ms + horizon * c.iteration_ms
     if hybrid and rerouted is not None and restarted is not None:
-        both = _hybrid(rerouted, restarted, profile, situation)
+        both = _hybrid(rerouted, restarted, profile, situation, horizon)
         if both is not None:
             out.append(both)
     return sorted(out, key=lambda c: (not c.feasible, c.total_ms))
@@ -265,18 +269,16 @@ def _loaded_bytes(plan: ExecutionPlan, profile: Profile) -> int:
 
 
 def _hybrid(now: Candidate, then: Candidate, profile: Profile,
-            situation: Situation) -> Candidate | None:
+            situation: Situation, horizon: float) -> Candidate | None:
     """Reroute now (`now`), and restart onto `then`'s plan from the next periodic checkpoint,
     written after k iterations counted from the interrupted one (run again); None without
-    periodic saves or when the switch would come after the horizon. The horizon is counted at
-    the rerouted speed, as for `now` alone. (A rerouted plan always differs from a re-planned
-    one: it has a stage without ranks.)"""
+    periodic saves or when the switch would come after the `horizon` (iterations). (A
+    rerouted plan always differs from a re-planned one: it has a stage without ranks.)"""
     every = situation.save_interval
     if every <= 0:
         return None
     at = -(-situation.iteration // every) * every
     k = at - situation.iteration + 1
-    horizon = horizon_iterations(situation, now.iteration_ms)
     if k >= horizon:
         return None
     switch = Switch("restart", then.plan, then.iteration_ms,

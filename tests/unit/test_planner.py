@@ -304,3 +304,16 @@ def test_chameleon_plan_rejects_bad_input_in_one_line(capsys, tmp_path):
                  "--global-batch-size", "32", "--fail", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read profile" in err
+
+
+def test_an_mtbf_horizon_counts_the_same_work_for_every_candidate():
+    """An hour to the next failure is 60,000 failure-free iterations of 60 ms for every
+    candidate: the faster re-planned layout wins although its transition costs more (counted
+    in time, each plan would fill the hour and only the transitions would differ)."""
+    ranked = candidates(pp4_dp2(), {5}, synthetic(), Situation(
+        iteration=100, checkpoint_iteration=99, remaining_iterations=10 ** 9, mtbf_hours=1.0,
+        failure_free_ms=60.0), ("reroute", "restart"))
+    best = choose(ranked)
+    reroute = next(c for c in ranked if c.strategy == "reroute")
+    assert best.strategy == "restart" and best.transition_ms > reroute.transition_ms
+    assert best.total_ms == pytest.approx(best.transition_ms + 60_000 * best.iteration_ms)
