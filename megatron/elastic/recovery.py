@@ -92,8 +92,8 @@ class Recovery:
         self.launch_rank = self.members.rank
         # A restarted worker (chameleon-launch --max-restarts) joins a running job: its world
         # is known once it is admitted.
-        self.joining = os.environ.get(membership.JOIN_ENV) == "1"
-        self.alive = [] if self.joining else list(range(self.members.world_size))
+        joining = os.environ.get(membership.JOIN_ENV) == "1"
+        self.alive = [] if joining else list(range(self.members.world_size))
         self.generation = 0
         self.admissions = 0             # admissions of joiners so far (membership key layout)
         self.admitted: set[int] = set()
