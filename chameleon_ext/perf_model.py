@@ -118,6 +118,11 @@ class Profile:
     # eager redundancy's measured refresh over its point-to-point estimate (the wait for a
     # slower owner included)
     shadow_sync_factor: float = 1.0
+    # What one micro-batch's forward keeps for its backward, measured (0: the layers' from
+    # ModelShape.layer_activation_bytes, none for the embedding and the head)
+    layer_activation_bytes: int = 0
+    embedding_activation_bytes: int = 0
+    head_activation_bytes: int = 0
     # rank -> how many times slower it computes than the costs above (a slow device); ranks
     # of the plan the profile was measured under
     rank_slowdown: dict[int, float] = field(default_factory=dict)
@@ -350,12 +355,15 @@ def _memory(plan: ExecutionPlan, res: SimResult, profile: Profile,
     """Per rank: parameters, gradients and optimizer state, and the activations of the most
     micro-batches it held at once, each shard 1 / `tensor_parallel` of its stage's."""
     shape = profile.shape
+    per_layer = profile.layer_activation_bytes or shape.layer_activation_bytes()
     memory = {}
     for r in plan.ranks:
         layers = plan.stage_of(r).num_layers
-        acts = res.peak_inflight[r] * layers * shape.layer_activation_bytes() // tensor_parallel
-        params = stage_param_count(shape, layers, plan.is_first_stage(r), plan.is_last_stage(r),
-                                   tensor_parallel)
+        first, last = plan.is_first_stage(r), plan.is_last_stage(r)
+        kept = layers * per_layer + first * profile.embedding_activation_bytes + \
+            last * profile.head_activation_bytes
+        acts = res.peak_inflight[r] * kept // tensor_parallel
+        params = stage_param_count(shape, layers, first, last, tensor_parallel)
         memory[r] = params * profile.bytes_per_param + acts
     return memory
 

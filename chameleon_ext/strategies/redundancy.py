@@ -51,20 +51,28 @@ class EagerCost:
     memory_bytes: int       # the largest extra memory of a rank (the shadows it holds)
 
 
+def held_bytes(plan: ExecutionPlan, shape) -> dict[int, int]:
+    """Per rank: the bytes of the shadow copies it holds (ranks holding none left out)."""
+    held: dict[int, int] = {}
+    for owner, holder in shadow_pairs(plan):
+        held[holder] = held.get(holder, 0) + stage_params(plan, owner, shape) * \
+            SHADOW_BYTES_PER_PARAM
+    return held
+
+
 def eager_cost(plan: ExecutionPlan, profile: Profile) -> EagerCost:
     """What keeping the shadows of `plan` costs per iteration and per rank, from the profile's
     point-to-point model (scaled by the calibrated shadow_sync_factor): each rank sends its
     state to its holder and receives the states it holds, one message each."""
     shape = profile.shape
     sent: dict[int, int] = {}
-    held: dict[int, int] = {}
     messages: dict[int, int] = {}
     for owner, holder in shadow_pairs(plan):
-        nbytes = stage_params(plan, owner, shape) * SHADOW_BYTES_PER_PARAM
-        sent[owner] = sent.get(owner, 0) + nbytes
-        held[holder] = held.get(holder, 0) + nbytes
+        sent[owner] = sent.get(owner, 0) + stage_params(plan, owner, shape) * \
+            SHADOW_BYTES_PER_PARAM
         for r in (owner, holder):
             messages[r] = messages.get(r, 0) + 1
+    held = held_bytes(plan, shape)
     sync = max((messages[r] * profile.p2p_alpha_ms + profile.p2p_ms_per_mib *
                 (sent.get(r, 0) + held.get(r, 0)) / MIB for r in messages), default=0.0)
     return EagerCost(sync * profile.shadow_sync_factor, max(held.values(), default=0))

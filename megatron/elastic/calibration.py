@@ -52,6 +52,9 @@ class StageSample:
     op_counts: dict[str, int]          # timer name -> ops per iteration
     iteration_ms: float
     busy_ms: float                     # compute wall time per iteration
+    # bytes one micro-batch's forward keeps for its backward: "embedding", "layers" (per
+    # layer), "head" (memory_meter.MemoryMeter.per_microbatch; {}: not measured)
+    activation_bytes: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -83,11 +86,14 @@ class Calibrator:
     _iteration_ms: list[float] = field(default_factory=list)
     _skip: int = 0
     _place: tuple = ()
+    _memory: object = None
 
     def start(self, plan: ExecutionPlan, rank: int, ops: list[Op], shape,
-              shadows: bool = False) -> None:
-        """A new plan (`shadows`: whose iterations begin with eager redundancy's refresh):
-        forget what was measured under the old one."""
+              shadows: bool = False, memory=None) -> None:
+        """A new plan (`shadows`: whose iterations begin with eager redundancy's refresh;
+        `memory`: the runtime's memory_meter.MemoryMeter): forget what was measured under the
+        old one."""
+        self._memory = memory
         self._counts = {SHADOW_SYNC: 1} if shadows else {}
         for op in ops:
             name = TIMER_OF.get(op.kind)
@@ -118,8 +124,9 @@ class Calibrator:
                / (n * count) for name, count in self._counts.items()} if self.clock else {}
         busy = sum(op_ms[name] * count for name, count in self._counts.items()
                    if name != SHADOW_SYNC)
+        kept = self._memory.per_microbatch() if self._memory and self._memory.forwards else {}
         return StageSample(*self._place, n, op_ms, cpu, dict(self._counts),
-                           statistics.median(self._iteration_ms), busy)
+                           statistics.median(self._iteration_ms), busy, kept)
 
     def _active(self) -> dict[str, float]:
         return {name: self.timers(name, log_level=2).active_time() for name in self._counts}
@@ -136,7 +143,19 @@ def profile_from_samples(samples: list[StageSample], base: Profile) -> Profile:
         steady = [s for s in samples if s.rank not in slow] or samples
         fitted = _fit(steady, base)
         slow = _slow_against(samples, fitted)
-    return dataclasses.replace(fitted, rank_slowdown=slow)
+    return _activations(samples, dataclasses.replace(fitted, rank_slowdown=slow))
+
+
+def _activations(samples: list[StageSample], profile: Profile) -> Profile:
+    """`profile` with the activation bytes the stages measured (medians), where they did."""
+    def median(part: str, where) -> int | None:
+        seen = [s.activation_bytes[part] for s in samples if s.activation_bytes and where(s)]
+        return round(statistics.median(seen)) if seen else None
+
+    found = {"layer_activation_bytes": median("layers", lambda s: s.layers > 0),
+             "embedding_activation_bytes": median("embedding", lambda s: s.first),
+             "head_activation_bytes": median("head", lambda s: s.last)}
+    return dataclasses.replace(profile, **{k: v for k, v in found.items() if v is not None})
 
 
 def _cpu_timed(samples: list[StageSample], base: Profile) -> bool:
@@ -270,9 +289,10 @@ class LiveCalibration:
         self.calibrator = Calibrator(timers, clock, warmup)
         self._generation = 0
 
-    def start(self, plan: ExecutionPlan, rank: int, ops: list[Op], shadows: bool = False) -> None:
+    def start(self, plan: ExecutionPlan, rank: int, ops: list[Op], shadows: bool = False,
+              memory=None) -> None:
         self._generation = plan.generation
-        self.calibrator.start(plan, rank, ops, self.base.shape, shadows)
+        self.calibrator.start(plan, rank, ops, self.base.shape, shadows, memory)
 
     def after_iteration(self, elapsed_ms: float) -> None:
         self.calibrator.after_iteration(elapsed_ms)

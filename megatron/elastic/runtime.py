@@ -20,6 +20,7 @@ from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import OpKind, Schedule, forward_only
 from chameleon_ext.strategies import redundancy
 from megatron.elastic import grad_reduction, parallel_state, stage_model, state_transfer, wgrad
+from megatron.elastic.memory_meter import MemoryMeter
 from megatron.elastic.shadows import Shadows
 from megatron.elastic.schedules import ComputeClock, Executor, StageRuntime
 
@@ -56,11 +57,13 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
           seq_length: int, get_batch: Callable[[int, int], dict], forward_step, loss_func,
           timeout: timedelta | None = None, timers=None, executor: str = "ir",
           compute_clock: ComputeClock | None = None,
-          carried: state_transfer.CarriedState | None = None, eager: bool = False) -> Built:
+          carried: state_transfer.CarriedState | None = None, eager: bool = False,
+          measure_memory: bool = False) -> Built:
     """`carried`: this rank's parameters, optimizer state and LR schedule under the plan
     before (after a failure), restored into the new runtime; the layers it did not hold
     come from the peers that do (collective: every rank of the new world passes its state).
-    `eager`: keep eager redundancy's shadow copies, where the plan has them."""
+    `eager`: keep eager redundancy's shadow copies, where the plan has them;
+    `measure_memory`: count the activations autograd keeps (memory_meter)."""
     schedule = choose_schedule(plan)
     split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
     groups = parallel_state.initialize(plan, rank, timeout)
@@ -114,6 +117,8 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
         embedding_contributor=groups.embedding_contributor,
         before_forward=seeder.at if seeder else None, timers=timers, compute_clock=compute_clock, wgrad=store,
         grad_reduction=reduction)
+    if measure_memory:
+        rt.memory = MemoryMeter(module, first, last)
     pairs = redundancy.shadow_pairs(plan) if eager else []
     if pairs:
         rt.shadows = Shadows(rt, tied_embeddings, pairs)

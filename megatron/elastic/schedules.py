@@ -13,6 +13,7 @@ are summed (not averaged) over replicas, so the update is the same under every p
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -87,6 +88,7 @@ class StageRuntime:
     grad_reduction: GradReduction | None = None
     compute_clock: ComputeClock | None = None
     shadows: object | None = None  # megatron.elastic.shadows.Shadows: refreshed first
+    memory: object | None = None   # megatron.elastic.memory_meter.MemoryMeter
     first: bool = field(init=False)
     last: bool = field(init=False)
 
@@ -230,6 +232,8 @@ class Executor:
         self._pending.clear()
         if self.rt.wgrad:
             self.rt.wgrad.clear()
+        if self.rt.memory:
+            self.rt.memory.reset()
 
     def evaluate(self, ops: list[Op], get_batch: Callable[[int, int], dict],
                  iterations) -> float:
@@ -308,11 +312,12 @@ class Executor:
         if rt.before_forward:
             rt.before_forward(iteration, mb)
         rt.module.set_input_tensor(self._inputs.get(mb))
-        out = rt.forward_step(batch, rt.model)
-        if rt.last:
-            loss = rt.loss_func(batch, out)
-            self._loss_sum += loss.detach().double()
-            out = loss / rt.plan.num_micro_batches
+        with rt.memory.forward(mb) if rt.memory and rt.model.training else nullcontext():
+            out = rt.forward_step(batch, rt.model)
+            if rt.last:
+                loss = rt.loss_func(batch, out)
+                self._loss_sum += loss.detach().double()
+                out = loss / rt.plan.num_micro_batches
         self._outputs[mb] = out
 
     def _send_fwd(self, op: Op, iteration: int) -> None:
@@ -325,6 +330,8 @@ class Executor:
         mb = op.microbatch
         out = self._outputs.pop(mb)
         torch.autograd.backward(out, grad_tensors=self._out_grads.pop(mb, None))
+        if self.rt.memory and op.kind is OpKind.BWD:
+            self.rt.memory.backward_done(mb)
         inp = self._inputs.pop(mb, None)
         if inp is not None and not self.rt.first:
             self._in_grads[mb] = inp.grad
@@ -338,6 +345,8 @@ class Executor:
 
     def _bwd_weight(self, op: Op, iteration: int) -> None:
         self.rt.wgrad.compute(op.microbatch)
+        if self.rt.memory:
+            self.rt.memory.backward_done(op.microbatch)
 
     def _send_bwd(self, op: Op, iteration: int) -> None:
         self._send(self._in_grads.pop(op.microbatch), op)

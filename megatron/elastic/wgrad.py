@@ -46,6 +46,9 @@ class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, allreduce_dgrad, tp_group, store):
         ctx.save_for_backward(inp, weight)
+        # The parameter itself (its main_grad takes the deferred gradient): a saved tensor
+        # comes back from saved-tensor hooks (memory_meter) as another tensor object.
+        ctx.weight = weight
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.tp_group = tp_group
@@ -63,7 +66,7 @@ class _DeferrableLinear(torch.autograd.Function):
         inp = inp.reshape(-1, inp.shape[-1])
         grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
         if ctx.store.deferring is not None:
-            ctx.store.defer(weight, grad_output.detach(), inp.detach())
+            ctx.store.defer(ctx.weight, grad_output.detach(), inp.detach())
             grad_weight = None
         else:
             grad_weight = grad_output.t().matmul(inp)

@@ -16,13 +16,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from chameleon_ext.perf_model import ProfileError
+from chameleon_ext.perf_model import ProfileError, predict_plan
+from chameleon_ext.strategies import redundancy
 from chameleon_ext.plan import ExecutionPlan, PlanError
 from chameleon_ext import comm, membership
 from chameleon_ext.message_fusion import message_count
 from chameleon_ext.schedule_ir import COMPUTE, OpKind
 from chameleon_ext.faults import FaultSpecError, Injector, parse_injects
-from megatron.elastic import cpu_compat, runtime, state_transfer
+from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
 from megatron.elastic.calibration import LiveCalibration
 from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock
 from megatron.elastic.recovery import PHASE_OF, NotNeeded, Planning, Recovery, Unrecoverable
@@ -172,11 +173,12 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             get_batch=train_loader.get, forward_step=forward_step, loss_func=loss_func,
             timeout=comm_timeout, timers=timers, executor=args.chameleon_executor,
             carried=carried, compute_clock=compute_clock,
-            eager=args.chameleon_redundancy == "eager")
+            eager=args.chameleon_redundancy == "eager", measure_memory=args.chameleon)
         built.runtime.before_op = recovery.before_op if recovery else None
         built.runtime.after_op = _slowed(injector) if injector.has_slow() else None
         if calibration:
-            calibration.start(plan, rank, built.schedule.ops[rank], built.shadows is not None)
+            calibration.start(plan, rank, built.schedule.ops[rank], built.shadows is not None,
+                              built.runtime.memory)
         return built
 
     # Everything made so far (imports, data, tokenizer) lives for the whole job: out of the
@@ -400,6 +402,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             _save_profile(args, calibration, plan, recovery.alive)
     if built.shadows is not None:
         _report_shadows(built.shadows, timers, len(times), rank, metrics)
+    if built.runtime.memory is not None:
+        _report_memory(built, plan, calibration.profile(plan, recovery.alive) if rank == 0
+                       else None, args.chameleon_redundancy == "eager", rank, metrics, bar)
     if args.chameleon:
         _check_replicas(built.runtime, tied, rank, metrics, bar)
     summary = _summary(rank, plan, args, start, losses, times, tokens_per_iter, events)
@@ -407,6 +412,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     tb.close()
     dist.barrier()
     dist.destroy_process_group()
+    # Groups of earlier worlds that something still referenced go now, while the interpreter
+    # is whole: gloo's threads joined at its teardown end in std::terminate (SIGABRT).
+    gc.collect()
     if recovery:
         recovery.stop()
     return summary
@@ -424,6 +432,34 @@ def _report_shadows(shadows, timers, iterations: int, rank: int, metrics: Metric
         metrics.write("redundancy", held_bytes=held, sync_ms=round(sync, 3))
         print(f"> eager redundancy: shadow copies of {held / 2**20:.2f} MiB on the largest "
               f"holder, refreshed in {sync:.2f} ms per iteration (slowest rank)", flush=True)
+
+
+def _report_memory(built, plan: ExecutionPlan, profile, eager: bool, rank: int,
+                   metrics: MetricsFile, bar) -> None:
+    """Every rank's measured memory (training state, shadow copies, the most activations held
+    at once) beside the plan's estimate with the calibrated profile (collective)."""
+    rt = built.runtime
+    mine = {"state": memory_meter.state_bytes(rt.module,
+                                              state_transfer.torch_optimizers(rt.optimizer)),
+            "shadows": built.shadows.held_bytes if built.shadows is not None else 0,
+            "activations": rt.memory.peak_bytes}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank != 0 or profile is None:
+        return
+    estimate = predict_plan(plan, profile).memory_bytes
+    held = redundancy.held_bytes(plan, profile.shape) if eager else {}
+    ranks = [{"rank": r, "measured_bytes": sum(m.values()), **{f"{k}_bytes": v
+                                                               for k, v in m.items()},
+              "estimated_bytes": estimate[r] + held.get(r, 0)} for r, m in enumerate(everyone)]
+    metrics.write("memory", ranks=ranks)
+    worst = max(ranks, key=lambda x: x["measured_bytes"] / max(x["estimated_bytes"], 1))
+    most = max(x["measured_bytes"] for x in ranks) / 2**20
+    planned = max(x["estimated_bytes"] for x in ranks) / 2**20
+    _write(bar, 0, f"> memory per rank: measured {most:.2f} MiB at most, estimated {planned:.2f} "
+                   f"MiB; measured/estimated at most "
+                   f"{worst['measured_bytes'] / max(worst['estimated_bytes'], 1):.3f} (rank "
+                   f"{worst['rank']})")
 
 
 def _check_replicas(rt, tied: bool, rank: int, metrics: MetricsFile, bar) -> None:

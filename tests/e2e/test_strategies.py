@@ -66,6 +66,20 @@ def test_each_strategy_keeps_the_loss_trajectory(references, small_data, tmp_pat
     if rec[0]["strategy"] == "reparallelize":
         assert rec[0]["moved_bytes"] > 0 and rec[0]["world"] == 2 * pp - 1
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
+    assert_memory_within_estimates(events)
+
+
+def assert_memory_within_estimates(events: list[dict]) -> None:
+    """Each rank's measured memory (state, shadow copies, the most activations held at once)
+    is within 10% of the final plan's estimate, and the largest within 10% of what the
+    recovery predicted for the plan it chose, before it ran."""
+    ranks = next(e for e in events if e["event"] == "memory")["ranks"]
+    for r in ranks:
+        assert r["measured_bytes"] <= 1.1 * r["estimated_bytes"], r
+    rec = next(e for e in events if e["event"] == "recovery")
+    chosen = [c for c in rec["candidates"] if c["strategy"] == rec["strategy"]]
+    if chosen:
+        assert max(r["measured_bytes"] for r in ranks) <= 1.1 * chosen[0]["memory_mib"] * 2**20
 
 
 def test_the_hybrid_reroutes_then_restarts_onto_the_replanned_layout(references, small_data,
@@ -104,3 +118,4 @@ def test_eager_redundancy_takeover_moves_no_state(references, small_data, tmp_pa
     assert rec["strategy"] == "takeover" and rec["moved_bytes"] == 0
     assert "now 1 stage(s)" in run.stdout
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
+    assert_memory_within_estimates(events)

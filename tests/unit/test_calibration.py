@@ -54,6 +54,17 @@ def test_a_slowed_rank_is_found_and_left_out_of_the_fit():
     assert p.layer_fwd_ms == pytest.approx(2.0)
 
 
+def test_measured_activations_go_into_the_profile_by_part():
+    measured = samples()
+    for s in measured:
+        s.activation_bytes = {"embedding": 300.0 if s.first else 0.0, "layers": 1000.0,
+                              "head": 7000.0 if s.last else 0.0}
+    p = profile_from_samples(measured, base())
+    assert (p.layer_activation_bytes, p.embedding_activation_bytes,
+            p.head_activation_bytes) == (1000, 300, 7000)
+    assert profile_from_samples(samples(), base()).layer_activation_bytes == 0  # not measured
+
+
 def test_the_overhead_makes_the_calibrated_prediction_the_measured_time():
     p = calibrate(PLAN, one_f_one_b(PLAN), samples(), base())
     assert p.iteration_overhead_ms > 0

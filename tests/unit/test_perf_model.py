@@ -96,6 +96,15 @@ def test_memory_counts_state_and_in_flight_activations():
         1 * 2 * SHAPE.layer_activation_bytes()
 
 
+def test_measured_activation_bytes_replace_the_formula_and_add_embedding_and_head():
+    plan = pp2()
+    prof = profile(layer_activation_bytes=1000, embedding_activation_bytes=300,
+                   head_activation_bytes=7000)
+    pred = predict(plan, one_f_one_b(plan), prof)
+    assert pred.memory_bytes[0] == stage_params(plan, 0, SHAPE) * 16 + 2 * (2 * 1000 + 300)
+    assert pred.memory_bytes[1] == stage_params(plan, 1, SHAPE) * 16 + 1 * (2 * 1000 + 7000)
+
+
 def test_transition_cost_adds_its_parts():
     prof = profile(detect_ms=10.0, rebuild_ms=100.0, p2p_ms_per_mib=2.0, load_ms_per_mib=5.0)
     assert transition_ms(prof) == 110.0
