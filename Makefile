@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PREFIX := data/builtin.prefix
 PORT   ?= 29531
 
-.PHONY: demo test test-fast setup data clean
+.PHONY: demo test test-fast reproduce setup data clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ demo: data
 
 test: data
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q
+
+# The paper's tables and plots: results/REPORT.md, a CSV per table, PNGs (about 15 min on 2 cores).
+reproduce: data
+	OMP_NUM_THREADS=1 $(PY) -m tools.reproduce all --out results
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests/unit -q

@@ -138,6 +138,8 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
     costed over the horizon, cheapest first (infeasible ones last). The profile's slow ranks
     are those of `plan`; every strategy numbers the survivors densely in their old order."""
     survivors = plan.world_size - len(lost)
+    if survivors <= 0:
+        return []
     lost_ms = situation.failure_free_ms
     hybrid = "reroute+restart" in strategies
     rerouted = restarted = None

@@ -104,3 +104,10 @@ def last_losses(events: list[dict]) -> list[float]:
     """Loss per iteration, the last run of each (a restart runs some iterations again)."""
     by_it = {e["iteration"]: e["loss"] for e in events if e["event"] == "iteration"}
     return [by_it[i] for i in sorted(by_it)]
+
+
+def read_csv(path: Path) -> list[dict]:
+    """A CSV written by tools/reproduce, one dict per row."""
+    import csv
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))

@@ -317,3 +317,9 @@ def test_an_mtbf_horizon_counts_the_same_work_for_every_candidate():
     reroute = next(c for c in ranked if c.strategy == "reroute")
     assert best.strategy == "restart" and best.transition_ms > reroute.transition_ms
     assert best.total_ms == pytest.approx(best.transition_ms + 60_000 * best.iteration_ms)
+
+
+def test_no_candidate_when_every_rank_is_lost():
+    plan = pp2_dp4()
+    assert candidates(plan, set(plan.ranks), synthetic(), Situation(
+        iteration=10, checkpoint_iteration=0, remaining_iterations=100)) == []

@@ -1,0 +1,237 @@
+"""Training under a failure trace, event by event, with one recovery policy: the average
+throughput over the trace's span.
+
+Between events the job trains at its plan's predicted iteration time (progress is counted in
+iterations, fractions included). A transition makes no progress for its predicted cost
+(planner.Candidate.transition_ms: detection, rebuild, state moved, the work lost since the
+interrupted iteration or, for a restart, since the checkpoint); an event during a transition
+starts the next one from that moment.
+
+- A failure of a GPU the plan uses: the planner ranks the policy's strategies on the current
+  plan (planner.candidates) and takes the cheapest; where none of them has a feasible plan the
+  job falls back to restart, as the real job does; where not even that fits, it stalls until
+  GPUs come back. A failure of a GPU the plan leaves idle changes nothing.
+- A chosen hybrid (reroute now, restart at the next checkpoint) switches when that checkpoint is
+  written, unless another change of plan comes first.
+- A rejoin: with every GPU back, the failure-free plan; otherwise the policy's best plan over
+  the GPUs up (planned from the failure-free plan with the rest lost, as strategies.rejoin
+  hands them to the planner), taken when it does more iterations than the current plan before
+  the next failure expected, its move paid first. A planned move loses no work: the rebuild
+  plus the state the GPUs lack, sent by their peers (or, for a relaunch, read from a
+  checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from chameleon_ext.perf_model import MIB, Profile, stage_params, switch_ms
+from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.planner import STRATEGIES, Candidate, Situation, Switch, candidates, choose
+from chameleon_ext.strategies.redundancy import eager_cost
+from tools.reproduce.cluster import Setup
+from tools.reproduce.traces import Trace
+
+STATE_BYTES_PER_PARAM = 12             # parameter and two Adam moments (planner.moved_bytes)
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    label: str
+    strategies: tuple[str, ...]
+    eager: bool = False                # shadow copies kept all the time (their upkeep paid)
+    relaunch: bool = False             # each change of plan relaunches the job
+
+
+POLICIES = (
+    Policy("auto", "auto (Chameleon)", STRATEGIES),
+    Policy("oobleck", "reparallelize only (Oobleck-like)", ("reparallelize",)),
+    Policy("recycle", "reroute only (ReCycle-like)", ("reroute",)),
+    Policy("bamboo", "takeover + eager redundancy (Bamboo-like)", ("takeover",), eager=True),
+    Policy("megatron", "checkpoint-restart (Megatron default)", ("restart",), relaunch=True),
+)
+
+
+@dataclass(frozen=True)
+class Costs:
+    checkpoint_min: float              # a checkpoint every this many minutes of training
+    restart_min: float                 # a relaunch of the job (Megatron's restart)
+
+
+@dataclass
+class Outcome:
+    policy: str
+    trace: str
+    span_h: float
+    iterations: float
+    recoveries: Counter = field(default_factory=Counter)  # strategy taken at a failure
+    fallbacks: int = 0                 # failures the policy's own strategies could not absorb
+    replans: int = 0                   # moves at rejoins (and hybrids' switches)
+    transition_h: float = 0.0
+    stalled_h: float = 0.0
+
+    def samples_per_s(self, global_batch: int) -> float:
+        return self.iterations * global_batch / (self.span_h * 3600)
+
+
+def simulate(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
+             on_event: Callable[[], None] | None = None) -> Outcome:
+    job = _Job(setup, policy, trace, costs)
+    for event in trace.events:
+        job.switch_until(event.hour * 3.6e6)
+        job.advance(event.hour * 3.6e6)
+        (job.fail if event.kind == "fail" else job.rejoin)(event.gpu)
+        if on_event:
+            on_event()
+    job.switch_until(trace.span_h * 3.6e6)
+    job.advance(trace.span_h * 3.6e6)
+    return job.out
+
+
+def failure_free_ms(setup: Setup, policy: Policy) -> float:
+    """The policy's iteration time on the failure-free plan (eager: with the shadows' upkeep)."""
+    upkeep = eager_cost(setup.plan, setup.profile).sync_ms if policy.eager else 0.0
+    return setup.iteration_ms + upkeep
+
+
+class _Job:
+    def __init__(self, setup: Setup, policy: Policy, trace: Trace, costs: Costs) -> None:
+        self.setup, self.policy, self.trace = setup, policy, trace
+        self.profile: Profile = setup.profile
+        self.world = setup.plan.world_size
+        self.ff_ms = failure_free_ms(setup, policy)
+        self.relaunch_ms = costs.restart_min * 6e4 if policy.relaunch else 0.0
+        self.save_every = max(1, round(costs.checkpoint_min * 6e4 / setup.iteration_ms))
+        self.plan: ExecutionPlan | None = setup.plan
+        self.gpus = list(range(self.world))  # the GPU of each rank of the plan
+        self.up = set(self.gpus)
+        self.iteration_ms = self.ff_ms
+        self.t = self.resume = 0.0
+        self.switch: tuple[float, Switch] | None = None
+        self.out = Outcome(policy.name, trace.name, trace.span_h, 0.0)
+
+    # ---- time ---------------------------------------------------------------------------------
+    def advance(self, to: float) -> None:
+        if self.plan is None:
+            self.out.stalled_h += (to - self.t) / 3.6e6
+        else:
+            start = max(self.t, self.resume)
+            self.out.iterations += max(0.0, to - start) / self.iteration_ms
+            self.out.transition_h += max(0.0, min(to, self.resume) - self.t) / 3.6e6
+        self.t = to
+
+    def switch_until(self, to: float) -> None:
+        if self.switch is not None and self.switch[0] <= to:
+            at, sw = self.switch
+            self.advance(at)
+            self.out.replans += 1
+            self._adopt(sw.plan, self.gpus, sw.iteration_ms, sw.transition_ms)
+
+    def window_ms(self) -> float:
+        """Until the next failure expected, or the span's end."""
+        return min(self.trace.mtbf_h * 3.6e6, self.trace.span_h * 3.6e6 - self.t)
+
+    def situation(self) -> Situation:
+        """As the job tells the planner at a failure: the trace's MTBF, the iterations left in
+        the span, the current pace."""
+        done = int(self.out.iterations)
+        ms = self.iteration_ms if self.plan is not None else self.ff_ms
+        left = (self.trace.span_h * 3.6e6 - self.t) / ms
+        return Situation(iteration=done + 1, checkpoint_iteration=done // self.save_every *
+                         self.save_every, remaining_iterations=max(1, int(left)),
+                         mtbf_hours=self.trace.mtbf_h, failure_free_ms=ms,
+                         save_interval=self.save_every, eager_redundancy=self.policy.eager)
+
+    # ---- events -------------------------------------------------------------------------------
+    def fail(self, gpu: int) -> None:
+        self.up.discard(gpu)
+        if self.plan is None or gpu not in self.gpus:
+            return
+        if len(self.gpus) == 1:
+            self.plan, self.gpus, self.switch = None, [], None
+            return
+        situation = self.situation()
+        best, fell_back = self._choose(self.plan, {self.gpus.index(gpu)},
+                                       self.policy.strategies, situation)
+        self.out.fallbacks += fell_back
+        survivors = [g for g in self.gpus if g != gpu]
+        if best is None:
+            self.plan, self.gpus, self.switch = None, survivors, None
+            return
+        self.out.recoveries[best.strategy] += 1
+        self._adopt(best.plan, survivors, best.iteration_ms,
+                    best.transition_ms + self.relaunch_ms)
+        if best.switch is not None:
+            k = best.switch.at_iteration - situation.iteration + 1
+            self.switch = (self.resume + k * best.iteration_ms, best.switch)
+
+    def rejoin(self, gpu: int) -> None:
+        self.up.add(gpu)
+        gpus = sorted(self.up)
+        down = set(range(self.world)) - self.up
+        if not down:
+            self.out.replans += 1
+            self._adopt(self.setup.plan, gpus, self.ff_ms, self._move_ms(self.setup.plan, gpus))
+            return
+        # A planned move loses no work: the candidates are weighed by the iterations each
+        # would do before the next event expected, its own move cost paid first, not by
+        # their transitions after a failure.
+        situation = self.situation()
+        window = self.window_ms()
+        steady = tuple(s for s in self.policy.strategies if s != "reroute+restart")
+        moves = [(self._move_ms(c.plan, gpus), c) for c in
+                 candidates(self.setup.plan, down, self.profile, situation, steady)
+                 if c.feasible]
+        if not moves:
+            return
+        cost, best = max(moves, key=lambda m: (window - m[0]) / m[1].iteration_ms)
+        if self.plan is not None and \
+                (window - cost) / best.iteration_ms <= window / self.iteration_ms:
+            return
+        self.out.replans += 1
+        self._adopt(best.plan, gpus, best.iteration_ms, cost)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _choose(self, plan: ExecutionPlan, lost: set[int], strategies: tuple[str, ...],
+                situation: Situation) -> tuple[Candidate | None, bool]:
+        """The cheapest feasible candidate of `strategies`, else restart's; and whether it is
+        the fallback."""
+        best = choose(candidates(plan, lost, self.profile, situation, strategies))
+        if best is None and "restart" not in strategies:
+            best = choose(candidates(plan, lost, self.profile, situation, ("restart",)))
+            return best, best is not None
+        return best, False
+
+    def _adopt(self, plan: ExecutionPlan, gpus: list[int], iteration_ms: float,
+               transition_ms: float) -> None:
+        self.plan, self.gpus = plan, gpus[:plan.world_size]
+        self.iteration_ms = iteration_ms
+        self.resume = self.t + transition_ms
+        self.switch = None
+
+    def _move_ms(self, new: ExecutionPlan, gpus: list[int]) -> float:
+        """A planned move to `new` on `gpus`: the rebuild and the state new to each GPU from its
+        peers, or with a relaunch the job's restart and the checkpoint read."""
+        shape = self.profile.shape
+        if self.policy.relaunch:
+            largest = max(stage_params(new, r, shape) for r in new.ranks)
+            return self.relaunch_ms + switch_ms(self.profile, loaded_bytes=largest *
+                                                self.profile.bytes_per_param)
+        old = self.plan
+        rank_of = {g: r for r, g in enumerate(self.gpus)} if old is not None else {}
+        moved = 0
+        for r, g in enumerate(gpus[:new.world_size]):
+            now = new.stage_of(r)
+            params = stage_params(new, r, shape)
+            if g in rank_of:
+                was = old.stage_of(rank_of[g])
+                kept = max(0, min(was.layer_end, now.layer_end) -
+                           max(was.layer_start, now.layer_start))
+                params -= kept * shape.layer_params() // new.tensor_parallel
+                if old.is_first_stage(rank_of[g]) and new.is_first_stage(r):
+                    params -= shape.embedding_params() // new.tensor_parallel
+            moved += STATE_BYTES_PER_PARAM * max(0, params)
+        return switch_ms(self.profile) + self.profile.p2p_ms_per_mib * moved / MIB

@@ -1,0 +1,523 @@
+"""The six tables of the report, each built from this invocation's runs into a Section (its
+markdown, CSVs and plots)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+from chameleon_ext import comm
+from chameleon_ext.perf_model import Profile, predict_plan
+from chameleon_ext.strategies.redundancy import eager_cost
+from tools.reproduce import benches, cluster, plots, runs, simulate, traces
+from tools.reproduce.report import Section, Table
+
+GIB = 2 ** 30
+MIB = 2 ** 20
+STRATEGY_ORDER = (*cluster.FIXED, "auto")
+TRACE_MODEL = "2.7B"                   # tools/bench/plan_search.py's 32-GPU model
+# The paper's published averages (arXiv 2508.21613): the only numbers typed in.
+PAPER_RATIOS = {"oobleck": 1.229, "recycle": 1.355}
+# auto may trail a fixed policy by this much: it takes the best prediction at each event, which
+# is not always the best over the whole trace
+AUTO_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class Options:
+    out: Path
+    quick: bool
+    command: str                       # this invocation's command line
+    span_h: float
+    mtbf_h: float
+    repair_h: float
+    checkpoint_min: float
+    restart_min: float
+    seed: int
+
+
+class Context:
+    """What the tables of one invocation share: the CPU runs (tables 3 and 5)."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self._runs: list[runs.CpuRun] | None = None
+        self.runs_load = ""
+
+    @property
+    def finished_runs(self) -> list[runs.CpuRun] | None:
+        """The CPU runs if a table of this invocation made them already."""
+        return self._runs
+
+    @property
+    def schedule(self) -> runs.Schedule:
+        return runs.QUICK if self.options.quick else runs.FULL
+
+    def cpu_runs(self) -> list[runs.CpuRun]:
+        if self._runs is None:
+            self.runs_load = load_note()
+            data = runs.dataset()
+            labels = (runs.FAILURE_FREE, *self.schedule.strategies)
+            self._runs = [runs.run_one(self.schedule, label, data, self.options.out / "runs")
+                          for label in tqdm(labels, desc="CPU runs", unit="run")]
+        return self._runs
+
+
+def load_note() -> str:
+    """The machine's load now: measured times grow when other processes share the cores."""
+    return (f"The 1-minute load average was {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+            "when these measurements started; other processes on the machine slow measured "
+            "times.")
+
+
+def _profile_text(p: Profile) -> str:
+    return f"`{p.source}` ({p.device}; {'; '.join(p.notes)})"
+
+
+def _models(quick: bool) -> tuple[str, ...]:
+    return ("1.3B", "2.7B") if quick else tuple(cluster.SHAPES)
+
+
+def _failures(quick: bool) -> tuple[int, ...]:
+    return (1, 2) if quick else (1, 2, 4)
+
+
+def _choice(c) -> str:
+    """What auto chose, in words."""
+    if c is None:
+        return "nothing feasible"
+    text = f"{c.strategy}: {cluster.layout(c.plan)}"
+    if c.switch is not None:
+        sw = c.switch
+        text += (f", then {sw.strategy} onto {cluster.layout(sw.plan)} ({sw.plan.world_size} "
+                 f"GPUs) after the checkpoint of iteration {sw.at_iteration}")
+    return text
+
+
+def _timed(build: Callable[[Context], Section]) -> Callable[[Context], Section]:
+    @functools.wraps(build)
+    def run(ctx: Context) -> Section:
+        t0 = time.perf_counter()
+        section = build(ctx)
+        section.seconds = time.perf_counter() - t0
+        return section
+    return run
+
+
+# ---- table 1 --------------------------------------------------------------------------------
+@_timed
+def post_recovery(ctx: Context) -> Section:
+    """Post-recovery throughput on 32 GPUs, every strategy and auto."""
+    quick = ctx.options.quick
+    models, failures = _models(quick), _failures(quick)
+    detail, summary = [], []
+    panels: dict[str, tuple[list[str], dict[str, list], float]] = {
+        f"{f} failed GPU(s)": (list(models), {s: [] for s in STRATEGY_ORDER},
+                               (cluster.GPUS - f) / cluster.GPUS) for f in failures}
+    for name, f in tqdm([(m, f) for m in models for f in failures], desc="table 1"):
+        case = cluster.case(name, f)
+        s = case.setup
+        limit = (cluster.GPUS - f) / cluster.GPUS
+        ratios = {}
+        for strategy in STRATEGY_ORDER:
+            c = case.outcome(strategy)
+            ratio = s.iteration_ms / cluster.steady_ms(c) if c is not None and c.feasible \
+                else None
+            ratios[strategy] = ratio
+            panels[f"{f} failed GPU(s)"][1][strategy].append(ratio)
+            status = "no plan" if c is None else "ok" if c.feasible else "does not fit"
+            after = cluster.steady_plan(c) if c is not None else None
+            detail.append([
+                name, f"{cluster.layout(s.plan)} ({cluster.stage_sizes(s.plan)})",
+                s.iteration_ms, s.samples_per_s(s.iteration_ms), f,
+                " ".join(map(str, case.failed)), strategy, c.strategy if c else None,
+                cluster.layout(after) if after else None, after.world_size if after else None,
+                c.iteration_ms if c else None, cluster.steady_ms(c) if c else None,
+                s.samples_per_s(cluster.steady_ms(c)) if c else None, ratio, limit,
+                ratio / limit if ratio is not None else None,
+                c.transition_ms / 1e3 if c else None, c.memory_bytes / GIB if c else None,
+                status])
+        auto = case.outcome("auto")
+        summary.append([name, f"{cluster.layout(s.plan)} ({cluster.stage_sizes(s.plan)})",
+                        f, " ".join(map(str, case.failed)), *(ratios[x] for x in STRATEGY_ORDER),
+                        _choice(auto), limit,
+                        ratios["auto"] / limit if ratios["auto"] is not None else None])
+    r = "{:.3f}"
+    tables = [
+        Table("table1_summary", [("model", ""), ("failure-free layout dp x pp (layers)", ""),
+                                 ("failed GPUs", ""), ("failed ranks", "")] +
+              [(f"{x} post/ff", r) for x in STRATEGY_ORDER] +
+              [("auto chose", ""), ("limit (N-f)/N", r), ("auto / limit", r)], summary),
+        Table("table1", [("model", ""), ("failure-free layout", ""),
+                         ("failure-free ms/iter", ""), ("failure-free samples/s", ""),
+                         ("failed GPUs", ""), ("failed ranks", ""), ("strategy", ""),
+                         ("candidate", ""), ("layout after", ""), ("GPUs used", ""),
+                         ("first ms/iter", ""), ("steady ms/iter", ""), ("samples/s", ""),
+                         ("post/ff", ""), ("limit (N-f)/N", ""), ("post/ff / limit", ""),
+                         ("transition s", ""), ("peak memory GiB", ""), ("status", "")],
+              detail, markdown=False)]
+    png = plots.post_recovery(ctx.options.out / "table1.png", panels)
+    tp_layout, tp_strategies = cluster.tensor_parallel_strategies(models[-1])
+    first = cluster.setup(models[0])
+    return Section(
+        1, "Post-recovery throughput, 32 GPUs", ctx.options.command,
+        _profile_text(first.profile) + ", from `chameleon_ext.perf_model.analytical_profile"
+        f"(shape, \"{cluster.DEVICE}\")`: **analytical**, not measured",
+        f"GPT models on {cluster.GPUS} {cluster.DEVICE} GPUs "
+        f"({cluster.GPUS // cluster.GPUS_PER_NODE} nodes x {cluster.GPUS_PER_NODE}), sequence 2048, global batch "
+        f"{first.global_batch}, micro-batch 1, bf16, tensor parallel 1. The failure-free plan "
+        "is the fastest homogeneous layout the planner finds on all 32 GPUs (`planner.replan` "
+        "seeded with Megatron's tp 1 x pp 4 layout of `tools/bench/plan_search.py`), so that a "
+        "recovery cannot beat it merely by a better layout. Failure i (0-based) takes the GPU "
+        "of pipeline i mod dp at stage floor(i x pp / 4): whole GPUs, in different pipelines "
+        "and at different stages (the failed ranks are listed). The planner ranks every "
+        "strategy's plan over the survivors (`planner.candidates`) at a failure in iteration "
+        f"{cluster.FAILED_AT} of {cluster.TOTAL_ITERATIONS}, the last checkpoint at "
+        f"{cluster.FAILED_AT // cluster.SAVE_INTERVAL * cluster.SAVE_INTERVAL} (one every "
+        f"{cluster.SAVE_INTERVAL}); auto is `planner.choose` over all of them. post/ff = "
+        "failure-free iteration time / post-recovery iteration time (every plan keeps the "
+        "global batch); limit = (N - f) / N.",
+        tables, [png],
+        [f"Tensor parallelism: the planner drops the whole stage when one GPU of its "
+         f"tensor-parallel group is lost; on {models[-1]} with {tp_layout}, losing rank 0 "
+         f"leaves only: {', '.join(tp_strategies) or 'nothing'}. Hence tensor parallel 1 here.",
+         "post/ff / limit above 1: the survivors' best layout does more per GPU than the "
+         "failure-free one (the model predicts less than linear scaling from N - f to N "
+         "GPUs, e.g. pipeline bubbles and all-reduce cost), not throughput beyond the GPUs'.",
+         "A hybrid (reroute+restart) is shown at its steady state, after its planned switch; "
+         "its first phase is the CSV's `first ms/iter`.",
+         "n/a: the strategy has no plan for this failure, or its plan does not fit in the "
+         "GPU's memory (CSV `status`).",
+         "Measured on real GPUs: nothing here; this machine has none."])
+
+
+# ---- table 2 --------------------------------------------------------------------------------
+def trace_set(o: Options) -> list[traces.Trace]:
+    intervals = (1.0, 1 / 6) if o.quick else traces.FIXED_INTERVALS_H
+    return [traces.fixed_interval(h, cluster.GPUS, o.span_h, o.repair_h, o.seed)
+            for h in intervals] + [traces.poisson(o.mtbf_h, cluster.GPUS, o.span_h,
+                                                  o.repair_h, o.seed)]
+
+
+def trace_outcomes(o: Options) -> tuple[list[traces.Trace], dict[tuple[str, str],
+                                                                  simulate.Outcome]]:
+    s = cluster.setup(TRACE_MODEL)
+    costs = simulate.Costs(o.checkpoint_min, o.restart_min)
+    trs = trace_set(o)
+    out = {}
+    with tqdm(total=sum(len(t.events) for t in trs) * len(simulate.POLICIES),
+              desc="table 2: trace events") as bar:
+        for t in trs:
+            for p in simulate.POLICIES:
+                out[t.name, p.name] = simulate.simulate(s, p, t, costs, bar.update)
+    return trs, out
+
+
+@_timed
+def traces_table(ctx: Context) -> Section:
+    """Average throughput under failure traces, every policy; auto's ratios beside the paper's."""
+    o = ctx.options
+    s = cluster.setup(TRACE_MODEL)
+    trs, outcomes = trace_outcomes(o)
+    policies = simulate.POLICIES
+    ff = s.samples_per_s(s.iteration_ms)
+    rows, ratio_rows = [], []
+    series: dict[str, list[float]] = {p.label: [] for p in policies}
+    ratios: dict[str, list[float]] = {p.name: [] for p in policies}
+    for t in trs:
+        auto = outcomes[t.name, "auto"].samples_per_s(s.global_batch)
+        for p in policies:
+            out = outcomes[t.name, p.name]
+            tput = out.samples_per_s(s.global_batch)
+            series[p.label].append(tput / ff)
+            ratios[p.name].append(auto / tput if tput > 0 else math.inf)
+            rows.append([t.name, t.failures, p.label, tput, tput / ff,
+                         ", ".join(f"{k} {v}" for k, v in out.recoveries.most_common()),
+                         out.fallbacks, out.replans, out.transition_h, out.stalled_h])
+        ratio_rows.append([t.name, ratios["oobleck"][-1], PAPER_RATIOS["oobleck"],
+                           ratios["recycle"][-1], PAPER_RATIOS["recycle"],
+                           ratios["bamboo"][-1], ratios["megatron"][-1]])
+
+    def geomean(xs: list[float]) -> float:
+        return math.exp(statistics.fmean(math.log(x) for x in xs)) \
+            if xs and all(0 < x < math.inf for x in xs) else math.inf
+
+    ratio_rows.append(["all traces (geometric mean)", geomean(ratios["oobleck"]),
+                       PAPER_RATIOS["oobleck"], geomean(ratios["recycle"]),
+                       PAPER_RATIOS["recycle"], geomean(ratios["bamboo"]),
+                       geomean(ratios["megatron"])])
+    r = "{:.3f}"
+    tables = [
+        Table("table2_ratios", [("trace", ""), ("auto / Oobleck-like", r),
+                                ("paper: auto / Oobleck", r), ("auto / ReCycle-like", r),
+                                ("paper: auto / ReCycle", r), ("auto / Bamboo-like", r),
+                                ("auto / Megatron restart", r)], ratio_rows),
+        Table("table2", [("trace", ""), ("failures", ""), ("policy", ""),
+                         ("samples/s", "{:.1f}"), ("/ failure-free", r),
+                         ("recoveries", ""), ("fallbacks to restart", ""),
+                         ("planned moves (rejoins, switches)", ""), ("in transition h", "{:.2f}"),
+                         ("stalled h", "{:.2f}")], rows)]
+    png = plots.trace_throughput(o.out / "table2.png", [t.name for t in trs], series)
+    upkeep = eager_cost(s.plan, s.profile)
+    peak = predict_plan(s.plan, s.profile).peak_memory_bytes
+    return Section(
+        2, "Average throughput under failure traces, 32 GPUs", o.command,
+        _profile_text(s.profile) + ": **analytical**",
+        f"GPT {TRACE_MODEL} on {cluster.GPUS} {cluster.DEVICE} GPUs (failure-free "
+        f"{cluster.layout(s.plan)}, {s.iteration_ms:.1f} ms/iteration, {ff:.1f} samples/s), "
+        f"{o.span_h:g} h of training simulated event by event (`tools/reproduce/simulate.py`) "
+        "with the planner's predicted iteration and transition times. Traces: a failure at "
+        "fixed intervals (Oobleck's), and Poisson failures with an MTBF of "
+        f"{o.mtbf_h:g} h; the failed GPU is drawn among those up (seed {o.seed}) and rejoins "
+        f"after {o.repair_h:g} h. With every GPU back the job returns to the failure-free plan; "
+        "with some back it moves to the policy's plan over the GPUs up when that pays within "
+        "the next interval. Policies: **auto** (the planner's choice among every strategy and "
+        "the reroute+restart hybrid), **Oobleck-like** (reparallelize only), **ReCycle-like** "
+        "(reroute only), **Bamboo-like** (takeover with eager redundancy: shadow copies kept "
+        "all the time, `strategies.redundancy.eager_cost`, `Situation(eager_redundancy=True)`), "
+        f"**Megatron restart** (checkpoint every {o.checkpoint_min:g} min, each recovery "
+        f"relaunches the job: {o.restart_min:g} min, plus the work since the checkpoint). A "
+        "policy whose strategy has no feasible plan falls back to restart (counted). The "
+        "columns labelled *paper* are the paper's published averages, not computed here.",
+        tables, [png],
+        [f"Bamboo-like upkeep: {upkeep.sync_ms:.1f} ms added to each failure-free iteration "
+         f"({100 * upkeep.sync_ms / s.iteration_ms:.0f}%), {upkeep.memory_bytes / GIB:.1f} "
+         f"GiB more per GPU (peak {(peak + upkeep.memory_bytes) / GIB:.1f} of "
+         f"{s.profile.device_memory_bytes / GIB:.0f} GiB).",
+         f"auto takes the best prediction at each event, which is not always best over the "
+         f"whole trace (e.g. a rerouted plan cannot be re-parallelized later); the test allows "
+         f"it to trail a fixed policy by {100 * AUTO_TOLERANCE:.0f}%."])
+
+
+# ---- table 3 --------------------------------------------------------------------------------
+@_timed
+def convergence(ctx: Context) -> Section:
+    """Loss curves of real CPU runs: failure-free and one kill under each strategy."""
+    cpu = ctx.cpu_runs()
+    reference = cpu[0].losses()
+    curves = {run.label: run.losses() for run in cpu}
+    long_rows = [[run.label, i + 1, loss, abs(loss - reference[i]) / abs(reference[i])]
+                 for run in cpu for i, loss in enumerate(curves[run.label])]
+    summary = []
+    for run in cpu[1:]:
+        rec = run.event("recovery") or {}
+        summary.append([run.label, rec.get("strategy"), len(curves[run.label]),
+                        curves[run.label][-1],
+                        runs.max_relative_difference(curves[run.label], reference),
+                        rec.get("reconfigure_ms"), rec.get("lost_iterations")])
+    png = plots.loss_curves(ctx.options.out / "table3.png", curves, runs.FAILURE_FREE,
+                            ctx.schedule.kill_at)
+    sched = ctx.schedule
+    return Section(
+        3, "Convergence: the loss trajectory through a failure (CPU runs)", ctx.options.command,
+        "none for the losses (measured); each recovery's planner used the job's live "
+        f"`{_recovery_profile(cpu)}` profile",
+        f"Real training runs on this machine's CPU: GPT with 4 layers, hidden 64 "
+        f"(`tests/launch.py` SMALL_MODEL) on pipeline {runs.PIPELINE} x data "
+        f"{runs.DATA_PARALLEL} under chameleon-launch, global batch {runs.GLOBAL_BATCH}, "
+        f"{sched.iterations} iterations, a checkpoint every {sched.save_interval}; in each "
+        f"failure run rank {runs.VICTIM} is killed in the backward of iteration "
+        f"{sched.kill_at} and the strategy is forced (`--chameleon-strategy`). The CSV holds "
+        "every run's loss per iteration and its relative difference from the failure-free run.",
+        [Table("table3_summary", [("forced strategy", ""), ("recovery ran", ""),
+                                  ("iterations", ""), ("final loss", "{:.5f}"),
+                                  ("max relative loss difference vs failure-free", "{:.2e}"),
+                                  ("reconfigure ms", "{:.0f}"), ("iterations lost", "")],
+               summary),
+         Table("table3", [("run", ""), ("iteration", ""), ("loss", ""),
+                          ("relative difference vs failure-free", "")], long_rows,
+               markdown=False)],
+        [png], [ctx.runs_load] + [f"{run.label}: `{run.command}`" for run in cpu])
+
+
+def _recovery_profile(cpu: list[runs.CpuRun]) -> str:
+    found = {(run.event("recovery") or {}).get("profile") for run in cpu[1:]} - {None}
+    return ", ".join(sorted(found)) or "none"
+
+
+# ---- table 4 --------------------------------------------------------------------------------
+@_timed
+def memory(ctx: Context) -> Section:
+    """Peak memory per GPU under each strategy: estimated on the 32-GPU cluster, measured on
+    the CPU runs when this invocation made them."""
+    quick = ctx.options.quick
+    models, failures = _models(quick), _failures(quick)
+    rows = []
+    series: dict[str, list[float | None]] = {"failure-free": [], **{s: [] for s in
+                                                                    STRATEGY_ORDER},
+                                             "failure-free + eager shadows": []}
+    device = 0
+    for name in models:
+        s = cluster.setup(name)
+        device = s.profile.device_memory_bytes
+        base = predict_plan(s.plan, s.profile).peak_memory_bytes
+        shadows = base + eager_cost(s.plan, s.profile).memory_bytes
+        for f in failures:
+            case = cluster.case(name, f)
+            gib = {x: (case.outcome(x).memory_bytes / GIB if case.outcome(x) else None)
+                   for x in STRATEGY_ORDER}
+            over = [x for x in cluster.FIXED if gib[x] is not None and
+                    gib[x] * GIB > device]
+            rows.append([name, f, base / GIB, *(gib[x] for x in STRATEGY_ORDER),
+                         shadows / GIB, device / GIB, ", ".join(over) or "none"])
+            if f == failures[0]:
+                series["failure-free"].append(base / GIB)
+                for x in STRATEGY_ORDER:
+                    series[x].append(gib[x])
+                series["failure-free + eager shadows"].append(shadows / GIB)
+    g = "{:.1f}"
+    png = plots.memory(ctx.options.out / "table4.png", list(models), series, device / GIB)
+    first = cluster.setup(models[0])
+    tables = [Table("table4", [("model", ""), ("failed GPUs", ""), ("failure-free GiB", g)] +
+                    [(f"{x} GiB", g) for x in STRATEGY_ORDER] +
+                    [("failure-free + eager shadows GiB", g), ("device GiB", "{:.0f}"),
+                     ("over device memory", "")], rows)]
+    measured, note = _measured_memory(ctx.finished_runs)
+    if measured:
+        mib = "{:.2f}"
+        tables.append(Table("table4_cpu", [
+            ("run", ""), ("rank", ""), ("measured MiB", mib), ("state MiB", mib),
+            ("shadows MiB", mib), ("activations MiB", mib), ("estimated MiB", mib),
+            ("measured / estimated", "{:.3f}")], measured))
+    return Section(
+        4, "Memory per GPU per strategy", ctx.options.command,
+        _profile_text(first.profile) + ": **analytical**" + (
+            f"; the CPU runs' estimates: their live `{_recovery_profile(ctx.finished_runs)}` "
+            "profile" if measured else ""),
+        "The planner's estimate of the largest per-GPU memory (`Candidate.memory_bytes`: "
+        "parameters, gradients, optimizer state and the most activations held at once, from "
+        "the simulated schedule) for the cases of table 1, beside the failure-free plan's "
+        "(`perf_model.predict_plan(...).peak_memory_bytes`) and, for Bamboo-style eager "
+        "redundancy, the failure-free plan plus its shadow copies "
+        "(`strategies.redundancy.eager_cost(...).memory_bytes`): **estimated**. " + note,
+        tables, [png],
+        [f"The plot shows {failures[0]} failed GPU; the CSV every failure count."])
+
+
+def _measured_memory(cpu: list[runs.CpuRun] | None) -> tuple[list[list], str]:
+    """Rows of measured against estimated memory per rank from the CPU runs' `memory` events
+    (logged at the end of a run), and a sentence saying where they come from or why none."""
+    if cpu is None:
+        return [], ("Measured memory: none in this invocation; it comes from the CPU runs of "
+                    "table 3, so run `table3 table4` (or `all`) for it.")
+    rows = []
+    for run in cpu:
+        event = run.event("memory")
+        for r in event["ranks"] if event else []:
+            rows.append([run.label, r["rank"], r["measured_bytes"] / MIB,
+                         r.get("state_bytes", 0) / MIB, r.get("shadows_bytes", 0) / MIB,
+                         r.get("activations_bytes", 0) / MIB, r["estimated_bytes"] / MIB,
+                         r["measured_bytes"] / r["estimated_bytes"]])
+    if not rows:
+        return [], ("Measured memory: none. The CPU runs' metrics files hold no `memory` event "
+                    "and their output no measured figure, only the planner's estimates "
+                    "(`memory_mib` of each recovery candidate), so nothing measured is shown.")
+    return rows, ("Measured: the CPU runs of table 3 (the metrics file's `memory` event at the "
+                  "end of each run, every rank of its last plan: training state, shadow copies "
+                  "and the most activations held at once) beside the plan's estimate with the "
+                  "run's calibrated profile.")
+
+
+# ---- table 5 --------------------------------------------------------------------------------
+@_timed
+def accuracy(ctx: Context) -> Section:
+    """Performance-model accuracy on the CPU runs, and plan-search time by cluster size."""
+    quick = ctx.options.quick
+    cpu = ctx.cpu_runs()
+    acc = []
+    for run in cpu[1:]:
+        p = run.event("prediction")
+        acc.append([run.label, p["strategy"] if p else None,
+                    p["predicted_iter_ms"] if p else None, p["measured_iter_ms"] if p else None,
+                    p["iterations"] if p else None, p["relative_error"] if p else None])
+    errors = [row[-1] for row in acc if row[-1] is not None]
+    sizes = [32, 1024] if quick else sorted(benches.plan_search.CLUSTERS)
+    failures = [1] if quick else [1, 2, 4, 8]
+    with tqdm(total=len(sizes) * len(failures), desc="table 5: plan search") as bar:
+        found = benches.search_times(sizes, failures, 1 if quick else 3, bar.update)
+    search_rows = [[x.gpus, x.layout, x.failed, x.median_ms, x.target_ms, x.chosen]
+                   for x in found]
+    by_failures = {f: ([x.gpus for x in found if x.failed == f],
+                       [x.median_ms for x in found if x.failed == f]) for f in failures}
+    measured = [row for row in acc if row[2] is not None]
+    pngs = [plots.accuracy(ctx.options.out / "table5_accuracy.png",
+                           [row[0] for row in measured], [row[2] for row in measured],
+                           [row[3] for row in measured]),
+            plots.search_time(ctx.options.out / "table5_search.png", by_failures,
+                              {x.gpus: x.target_ms for x in found})]
+    search_profile = cluster.setup(TRACE_MODEL).profile
+    summary = (f"median relative error {100 * statistics.median(errors):.1f}%, maximum "
+               f"{100 * max(errors):.1f}% over {len(errors)} recoveries") if errors else \
+        "no recovery logged a prediction"
+    return Section(
+        5, "Performance-model accuracy and plan-search time", ctx.options.command,
+        f"(a) the job's live `{_recovery_profile(cpu)}` profile (calibrated from its Megatron "
+        f"timers); (b) {_profile_text(search_profile)}: **analytical**",
+        "(a) The CPU runs of table 3: after each recovery rank 0 logs the predicted iteration "
+        "time of the new plan beside the median of the iterations measured after it (the "
+        f"metrics file's `prediction` event): {summary}. (b) The planner's search time (every "
+        "candidate predicted and the choice made) for the clusters of "
+        "`tools/bench/plan_search.py` (median of its repetitions), failed GPUs spread over "
+        "pipelines and stages.",
+        [Table("table5_accuracy", [("forced strategy", ""), ("recovery ran", ""),
+                                   ("predicted ms/iter", "{:.1f}"),
+                                   ("measured ms/iter", "{:.1f}"),
+                                   ("iterations measured", ""),
+                                   ("relative error", "{:.3f}")], acc),
+         Table("table5_search", [("GPUs", ""), ("layout tp x pp x dp", ""),
+                                 ("failed GPUs", ""), ("search ms", "{:.1f}"),
+                                 ("target ms", "{:.0f}"), ("chosen", "")], search_rows)],
+        pngs, [ctx.runs_load] + (["n/a in (a): that run logged no prediction event."]
+                                 if len(measured) < len(acc) else []))
+
+
+# ---- table 6 --------------------------------------------------------------------------------
+@_timed
+def fused_comm(ctx: Context) -> Section:
+    """Packed messages and the csrc kernels against plain torch."""
+    quick = ctx.options.quick
+    load = load_note()
+    peers = [2] if quick else [2, 4]
+    with tqdm(total=len(peers) * len(benches.PAYLOADS), desc="table 6: gloo jobs") as bar:
+        steps = benches.gloo_steps(peers, 2 if quick else 10, 5 if quick else 20, bar.update)
+    kernels = benches.kernels(5 if quick else 21)
+    built = comm._C is not None
+    ext = "csrc" if built else "csrc NOT BUILT: torch"
+    gloo_rows = [[x.peers, x.payload, x.separate_ms, x.packed_torch_ms, x.packed_ext_ms,
+                  x.separate_ms / x.packed_ext_ms, x.packed_torch_ms / x.packed_ext_ms]
+                 for x in steps]
+    kernel_rows = [[k.op, k.baseline, k.data, k.torch_us, k.ext_us, k.torch_us / k.ext_us]
+                   for k in kernels]
+    ms, us, x = "{:.3f}", "{:.1f}", "{:.2f}"
+    return Section(
+        6, "Fused communication: with and without the csrc kernels", ctx.options.command,
+        "none (measured directly: gloo on 127.0.0.1 and this CPU)",
+        "`tools/bench/fused_comm.py`'s measurements, called from here. (a) A rerouted step on "
+        "gloo: rank 0 sends K micro-batch activations to each of P peers, as K separate "
+        "messages or one packed message per peer, packed by the torch fallback or by the "
+        "compiled kernels; the slowest rank's median step time. (b) The kernels against the "
+        f"torch ops a caller would write otherwise (median per call). chameleon_ext.comm "
+        f"backend: {benches.extension()}.",
+        [Table("table6_gloo", [("peers", ""), ("payload per peer", ""),
+                               ("separate messages ms", ms), ("packed, torch ms", ms),
+                               (f"packed, {ext} ms", ms), ("separate / packed " + ext, x),
+                               ("torch / " + ext, x)], gloo_rows),
+         Table("table6_kernels", [("op", ""), ("torch baseline", ""), ("data", ""),
+                                  ("torch us", us), (f"{ext} us", us),
+                                  ("torch / " + ext, x)], kernel_rows)],
+        [],
+        [load] + ([] if built else ["The compiled extension is not built here, so the columns "
+                                    "marked as csrc ran the torch fallback too."]))
+
+
+TABLES: dict[str, Callable[[Context], Section]] = {
+    "table1": post_recovery, "table2": traces_table, "table3": convergence,
+    "table4": memory, "table5": accuracy, "table6": fused_comm}
