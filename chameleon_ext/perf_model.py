@@ -114,7 +114,9 @@ class Profile:
     detect_ms: float = 50.0            # transition costs: failure to notice
     rebuild_ms: float = 400.0          # notice to a new runtime (groups, model, optimizer)
     load_ms_per_mib: float = 1.0       # reading a checkpoint
-    iteration_overhead_ms: float = 0.0  # measured iteration time the simulated ops do not cover
+    # measured iteration time the simulated ops do not cover (with `cores`: at a core to
+    # itself; a plan's ranks slow it by their mean sharing, perf_model.overhead_ms)
+    iteration_overhead_ms: float = 0.0
     # eager redundancy's measured refresh over its point-to-point estimate (the wait for a
     # slower owner included)
     shadow_sync_factor: float = 1.0
@@ -345,9 +347,17 @@ def predict(plan: ExecutionPlan, schedule: Schedule, profile: Profile,
                 break
             costs = ProfileCosts(plan, profile, load=load)
             res = simulate(plan, schedule, costs, timeline=True, validate=False)
-    return Prediction(res.iteration_time + profile.iteration_overhead_ms,
+    return Prediction(res.iteration_time + overhead_ms(profile, costs.load),
                       _memory(plan, res, profile, plan.tensor_parallel), res.bubble_fraction,
                       dict(costs.load))
+
+
+def overhead_ms(profile: Profile, load: dict[int, float]) -> float:
+    """The iteration time the simulated ops do not cover (Python between ops, data loading):
+    on ranks that share cores, work slowed like theirs, by the plan's mean sharing factor."""
+    if profile.cores <= 0 or not load:
+        return profile.iteration_overhead_ms
+    return profile.iteration_overhead_ms * sum(load.values()) / len(load)
 
 
 def _memory(plan: ExecutionPlan, res: SimResult, profile: Profile,

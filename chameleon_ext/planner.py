@@ -360,7 +360,11 @@ def _iteration_bound(profile: Profile, sizes: list[int], dp: int, m: int, tp: in
         bound = max(bound, done + tail, done + back + first_tail)
         reach += fwd + msg
         back += bwd + msg
-    return bound + p.iteration_overhead_ms
+    # The overhead grows with the sharing of cores (perf_model.overhead_ms): at its least
+    # when positive, at the most the layout's ranks can share when negative.
+    ranks = dp * tp * len(sizes)
+    most = p.sharing(min(p.ranks_per_host or ranks, ranks))
+    return bound + p.iteration_overhead_ms * (most if p.iteration_overhead_ms < 0 else 1.0)
 
 
 def stage_cost_ms(profile: Profile, layers: int, first: bool, last: bool) -> float:

@@ -23,7 +23,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 
-from chameleon_ext.perf_model import Profile, fit_layer_costs, predict, stage_params
+from chameleon_ext.perf_model import Profile, fit_layer_costs, overhead_ms, predict, stage_params
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import COMPUTE, Op, Schedule
@@ -236,7 +236,8 @@ def calibrate(plan: ExecutionPlan, schedule: Schedule, samples: list[StageSample
     fitted = dataclasses.replace(profile_from_samples(samples, base), iteration_overhead_ms=0.0)
     if _cpu_timed(samples, base):
         fitted = _effective_cores(plan, schedule, samples, fitted)
-    simulated = predict(plan, schedule, fitted).iteration_ms
+    sim = predict(plan, schedule, fitted)
+    simulated = sim.iteration_ms
     measured = statistics.median(s.iteration_ms for s in samples)
     refresh = [s.op_ms[SHADOW_SYNC] for s in samples if SHADOW_SYNC in s.op_ms]
     if refresh:  # eager redundancy's refresh: its own cost, not an overhead of every plan
@@ -246,9 +247,10 @@ def calibrate(plan: ExecutionPlan, schedule: Schedule, samples: list[StageSample
             fitted = dataclasses.replace(fitted, shadow_sync_factor=synced / modelled)
         measured -= synced
     # Negative when the simulation overshoots the plan it was fitted under: the same bias,
-    # taken off every plan's prediction.
+    # taken off every plan's prediction (in a core's time where ranks share cores).
+    unit = overhead_ms(dataclasses.replace(fitted, iteration_overhead_ms=1.0), sim.sharing)
     return dataclasses.replace(fitted, iteration_overhead_ms=max(-simulated / 2,
-                                                                 measured - simulated))
+                                                                 measured - simulated) / unit)
 
 
 def _effective_cores(plan: ExecutionPlan, schedule: Schedule, samples: list[StageSample],
