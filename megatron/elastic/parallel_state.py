@@ -251,6 +251,10 @@ def install(plan: ExecutionPlan, rank: int, g: RankGroups) -> None:
 
 
 def initialize(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None) -> RankGroups:
+    """The plan's groups, whose operations (and rendezvous) wait at most `timeout`. The ranks
+    meet first on the world's group (its own, longer timeout): one still loading data or
+    rebuilding would otherwise make the others' first rendezvous time out."""
+    dist.barrier()
     g = build_groups(plan, rank, timeout)
     install(plan, rank, g)
     return g
