@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core import parallel_state as mps
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from chameleon_ext.plan import ExecutionPlan
 
@@ -165,16 +166,29 @@ def _group_rank_lists(plan: ExecutionPlan) -> list[tuple[int, ...]]:
     return out
 
 
+RENDEZVOUS = timedelta(seconds=60)
+
+
 def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None) -> RankGroups:
     """Create all groups of `plan` (collective over the current world) and return `rank`'s."""
+    # A group's rendezvous waits for every member to create it; on a loaded host one may lag
+    # the others by seconds, so the connect gets at least RENDEZVOUS, the operations `timeout`.
+    connect = None if timeout is None else max(timeout, RENDEZVOUS)
+
+    def new_group(ranks, **kw) -> dist.ProcessGroup:
+        g = dist.new_group(list(ranks), timeout=connect, **kw)
+        if timeout is not None and rank in ranks:
+            _set_pg_timeout(timeout, g)
+        return g
+
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for ranks in _group_rank_lists(plan):
-        groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
+        groups[ranks] = new_group(ranks)
     mine = _layout(plan, rank)
     dp_gloo = groups[tuple(mine["dp"])]
     if dist.get_backend() != "gloo":
         for lr in sorted({tuple(_layout(plan, r)["dp"]) for r in plan.ranks}):
-            g = dist.new_group(list(lr), timeout=timeout, backend="gloo")
+            g = new_group(lr, backend="gloo")
             if lr == tuple(mine["dp"]):
                 dp_gloo = g
     first = plan.stage_of(rank).layer_start == 0
@@ -251,10 +265,7 @@ def install(plan: ExecutionPlan, rank: int, g: RankGroups) -> None:
 
 
 def initialize(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None) -> RankGroups:
-    """The plan's groups, whose operations (and rendezvous) wait at most `timeout`. The ranks
-    meet first on the world's group (its own, longer timeout): one still loading data or
-    rebuilding would otherwise make the others' first rendezvous time out."""
-    dist.barrier()
+    """The plan's groups, whose operations wait at most `timeout`."""
     g = build_groups(plan, rank, timeout)
     install(plan, rank, g)
     return g
