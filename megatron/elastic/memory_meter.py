@@ -6,6 +6,7 @@ without the parameters, by part of the stage: the embedding (everything before t
 transformer layer), the transformer layers, and the head (final norm, output layer, loss). They
 are held from the micro-batch's forward until its backward is done (for a split backward: its
 weight-gradient part, which still needs the layers' inputs), the same span the simulator counts.
+Only the first MEASURED_ITERATIONS iterations of a runtime are measured.
 On a GPU this is what torch.cuda.max_memory_allocated would add up to less the transient
 buffers of one op; on a CPU there is no allocator to ask.
 """
@@ -17,6 +18,9 @@ from contextlib import contextmanager
 import torch
 
 PARTS = ("embedding", "layers", "head")
+# Iterations measured under each runtime: every iteration runs the same op list, so its
+# activations and their peak are those of the first; the hooks stay off the rest.
+MEASURED_ITERATIONS = 3
 
 
 class MemoryMeter:
@@ -29,14 +33,26 @@ class MemoryMeter:
         self._alive: dict[int, int] = {}
         self.peak_bytes = 0                    # the most activation bytes held at once
         self._part = PARTS[0]
+        self._first: int | None = None
         layers = module.decoder.layers
-        for layer in layers:
-            layer.register_forward_pre_hook(lambda *_: self._enter("layers"))
+        self._hooks = [layer.register_forward_pre_hook(lambda *_: self._enter("layers"))
+                       for layer in layers]
         if len(layers):
-            layers[-1].register_forward_hook(lambda *_: self._enter("head"))
+            self._hooks.append(layers[-1].register_forward_hook(lambda *_: self._enter("head")))
 
     def _enter(self, part: str) -> None:
         self._part = part
+
+    def measuring(self, iteration: int) -> bool:
+        """Whether the forwards of `iteration` (0-based) are measured."""
+        if self._first is None:
+            self._first = iteration
+        if iteration < self._first + MEASURED_ITERATIONS:
+            return True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        return False
 
     @contextmanager
     def forward(self, microbatch: int):

@@ -233,9 +233,12 @@ class Recovery:
         it, so after the leader wrote the record."""
         key = membership.key_admission(self.admissions)
         if self.launch_rank == min(self.alive) and not self.store.check([key]):
-            failed = self.members.failures()
+            # joins() first: on every iteration of a job nobody joins, it is the one read
             waiting = [r for r in self.members.joins()
-                       if r not in self.alive and r not in failed and r not in self.admitted]
+                       if r not in self.alive and r not in self.admitted]
+            if waiting:
+                failed = self.members.failures()
+                waiting = [r for r in waiting if r not in failed]
             if waiting:
                 self.store.set(key, json.dumps({"after": iteration + 1, "joiners": waiting}))
         return self.store.check([key]) and \
@@ -296,13 +299,8 @@ class Recovery:
         if lost:
             decision = json.loads(self._choose(new, lost, len(ag.alive), iteration))
         else:
-            decision = {"strategy": "rejoin", "plan": new.to_dict(), "switch": None,
-                        "candidates": [], "profile": None, "predicted_iter_ms": None}
-            profile = self.planning.profile(plan, self.alive) if self.planning else None
-            if profile is not None:
-                ranked = planner.predicted("rejoin", new, new, set(), profile, self.eager)
-                decision.update(predicted_iter_ms=ranked.iteration_ms,
-                                candidates=[ranked.summary()], profile=profile.source)
+            decision = self._forced("rejoin", new, new, set(), self.planning.profile(
+                plan, self.alive) if self.planning else None)
         decision.update(iteration=iteration, scheduler=scheduler,
                         joined=[r for r in ag.alive if r not in self.alive])
         return json.dumps(decision)
@@ -364,13 +362,19 @@ class Recovery:
             new, strategy = restart_plan(plan, survivors), "restart"
         if new is None:
             return "none"
+        return json.dumps(self._forced(strategy, new, plan, lost, profile))
+
+    def _forced(self, strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
+                profile: Profile | None) -> dict:
+        """The decision for a plan chosen without the planner, predicted when there is a
+        profile, so the log shows predicted beside measured."""
         decision = {"strategy": strategy, "plan": new.to_dict(), "switch": None,
                     "candidates": [], "profile": None, "predicted_iter_ms": None}
         if profile is not None:
             ranked = planner.predicted(strategy, new, plan, lost, profile, self.eager)
             decision.update(predicted_iter_ms=ranked.iteration_ms,
                             candidates=[ranked.summary()], profile=profile.source)
-        return json.dumps(decision)
+        return decision
 
     def switch(self, new_plan: ExecutionPlan, iteration: int) -> tuple[ExecutionPlan, int]:
         """A hybrid's planned second step after `iteration` (its checkpoint just written): every

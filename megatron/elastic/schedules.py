@@ -312,7 +312,8 @@ class Executor:
         if rt.before_forward:
             rt.before_forward(iteration, mb)
         rt.module.set_input_tensor(self._inputs.get(mb))
-        with rt.memory.forward(mb) if rt.memory and rt.model.training else nullcontext():
+        measured = rt.memory and rt.model.training and rt.memory.measuring(iteration)
+        with rt.memory.forward(mb) if measured else nullcontext():
             out = rt.forward_step(batch, rt.model)
             if rt.last:
                 loss = rt.loss_func(batch, out)

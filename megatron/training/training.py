@@ -257,9 +257,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         if error is not None:  # outside the except block: its traceback would pin the groups
             recovery.placeholders = built.executor.drain(built.schedule.ops[rank],
                                                          recovery.lost_ranks())
-            carried = state_transfer.capture(built.runtime, tied)
-            if built.shadows is not None:
-                built.shadows.add_to(carried)
+            carried = _carried(built, tied)
             built.executor.reset()
             del built
             try:
@@ -286,9 +284,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                 _report_recovery(metrics, bar, out, it, plan, error, times, resume, reconfigure_ms,
                                  built.schedule, moved)
                 calibration.measured_transition(out.detect_ms, reconfigure_ms)
-                predicted = out.decision.get("predicted_iter_ms")
-                check = planning.PredictionCheck(predicted, it, out.strategy) if predicted \
-                    else None
+                check = _prediction_check(out, it)
             if bar:
                 bar.n = resume
                 bar.refresh()
@@ -364,13 +360,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
             switch = None
             watch.lap_ms()
         if recovery and recovery.admission_due(it):
-            scheduler = built.runtime.scheduler.state_dict()
-            carried = state_transfer.capture(built.runtime, tied)
-            if built.shadows is not None:
-                built.shadows.add_to(carried)
+            carried = _carried(built, tied)
             del built
             try:
-                out = recovery.admit(plan, it, scheduler)
+                out = recovery.admit(plan, it, carried.scheduler)
             except (Unrecoverable, membership.MembershipError) as why:
                 _fail(f"cannot admit the ranks that rejoined after iteration {it}: {why}")
             plan, rank = out.plan, out.rank
@@ -383,9 +376,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                 if check and check.result():
                     _report_prediction(metrics, bar, check)
                 _report_rejoin(metrics, bar, out, it, plan, moved)
-                predicted = out.decision.get("predicted_iter_ms")
-                check = planning.PredictionCheck(predicted, it, out.strategy) if predicted \
-                    else None
+                check = _prediction_check(out, it)
             watch.lap_ms()
         if bar:
             bar.update(1)
@@ -404,7 +395,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         _report_shadows(built.shadows, timers, len(times), rank, metrics)
     if built.runtime.memory is not None:
         _report_memory(built, plan, calibration.profile(plan, recovery.alive) if rank == 0
-                       else None, args.chameleon_redundancy == "eager", rank, metrics, bar)
+                       else None, rank, metrics, bar)
     if args.chameleon:
         _check_replicas(built.runtime, tied, rank, metrics, bar)
     summary = _summary(rank, plan, args, start, losses, times, tokens_per_iter, events)
@@ -418,6 +409,19 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     if recovery:
         recovery.stop()
     return summary
+
+
+def _carried(built, tied: bool) -> state_transfer.CarriedState:
+    """What this rank carries into the next plan: its state, and its shadow copies."""
+    carried = state_transfer.capture(built.runtime, tied)
+    if built.shadows is not None:
+        built.shadows.add_to(carried)
+    return carried
+
+
+def _prediction_check(out, it: int) -> planning.PredictionCheck | None:
+    predicted = out.decision.get("predicted_iter_ms")
+    return planning.PredictionCheck(predicted, it, out.strategy) if predicted else None
 
 
 def _report_shadows(shadows, timers, iterations: int, rank: int, metrics: MetricsFile) -> None:
@@ -434,8 +438,8 @@ def _report_shadows(shadows, timers, iterations: int, rank: int, metrics: Metric
               f"holder, refreshed in {sync:.2f} ms per iteration (slowest rank)", flush=True)
 
 
-def _report_memory(built, plan: ExecutionPlan, profile, eager: bool, rank: int,
-                   metrics: MetricsFile, bar) -> None:
+def _report_memory(built, plan: ExecutionPlan, profile, rank: int, metrics: MetricsFile,
+                   bar) -> None:
     """Every rank's measured memory (training state, shadow copies, the most activations held
     at once) beside the plan's estimate with the calibrated profile (collective)."""
     rt = built.runtime
@@ -448,7 +452,7 @@ def _report_memory(built, plan: ExecutionPlan, profile, eager: bool, rank: int,
     if rank != 0 or profile is None:
         return
     estimate = predict_plan(plan, profile).memory_bytes
-    held = redundancy.held_bytes(plan, profile.shape) if eager else {}
+    held = redundancy.held_bytes(plan, profile.shape) if built.shadows is not None else {}
     ranks = [{"rank": r, "measured_bytes": sum(m.values()), **{f"{k}_bytes": v
                                                                for k, v in m.items()},
               "estimated_bytes": estimate[r] + held.get(r, 0)} for r, m in enumerate(everyone)]
