@@ -2,6 +2,8 @@
 
     python tools/inject_failure.py --store HOST:PORT --kill RANK        SIGKILL one worker
     python tools/inject_failure.py --store HOST:PORT --stop RANK        SIGSTOP one (a hang)
+        [--after-iteration N [--delay-ms D]]    ... once the worker works past iteration N
+                                                (its published progress), D ms later
     python tools/inject_failure.py --store HOST:PORT --node NODE_RANK   SIGKILL all of a node's
                                                                         workers [--with-agent]
     python tools/inject_failure.py --store HOST:PORT --trace FILE       timed kills
@@ -10,6 +12,11 @@ Workers are found through the launcher's records in the store (``chameleon/worke
 pid, process group, host; ``chameleon/node/{node}``: its ranks and agent pid). Signals go to the
 worker's process group (each worker leads its own), so its children go with it. Only workers on
 this host can be signalled: run the tool on the worker's node.
+
+With --after-iteration the tool waits (up to --wait seconds) until the worker's progress,
+published with its heartbeat (``chameleon/progress/{rank}``, within half a second), shows an
+iteration above N, then sleeps D milliseconds: a kill at an arbitrary instant of the iteration
+that follows, whatever the worker is doing then (a step, a save, an evaluation, a recovery).
 
 A trace file has one event per line, ``SECONDS RANK [RANK ...]``: at SECONDS after the tool
 starts, SIGKILL those ranks. Blank lines and ``#`` comments are ignored.
@@ -107,6 +114,22 @@ def worker(store, rank: int, world: int | None) -> dict:
     return info
 
 
+def await_iteration(store, rank: int, world: int | None, iteration: int, wait_s: float,
+                    poll_s: float = 0.02) -> bool:
+    """Wait until `rank`'s published progress is past `iteration`; False after `wait_s` or
+    once the rank is no longer running."""
+    m = mb.Membership(store, None, world or 0)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        progress = m.progress_of([rank]).get(rank)
+        if progress is not None and progress.iteration > iteration:
+            return True
+        if rank in m.failures() or rank in m.exited():
+            return False
+        time.sleep(poll_s)
+    return False
+
+
 def signal_worker(info: dict, sig: signal.Signals) -> bool:
     """Signal a worker's process group; False when it is no longer running."""
     pid, pgid = int(info["pid"]), int(info.get("pgid", info["pid"]))
@@ -146,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--trace", metavar="FILE", help="lines 'SECONDS RANK...' of timed kills")
     p.add_argument("--with-agent", action="store_true",
                    help="with --node: SIGKILL that node's agent too (a whole-node loss)")
+    p.add_argument("--after-iteration", type=int, metavar="N", default=None,
+                   help="with --kill/--stop: wait until the worker works past iteration N")
+    p.add_argument("--delay-ms", type=float, metavar="D", default=0.0,
+                   help="with --after-iteration: then wait D more milliseconds")
+    p.add_argument("--wait", type=float, metavar="SECONDS", default=600.0,
+                   help="with --after-iteration: how long to wait for it (default 600)")
     try:
         a = p.parse_args(argv)
     except SystemExit as e:
@@ -177,6 +206,12 @@ def run(a: argparse.Namespace) -> int:
             raise InputError(f"--{name} {v}: must be >= 0")
     if a.with_agent and a.node is None:
         raise InputError("--with-agent goes with --node")
+    if a.after_iteration is not None and a.kill is None and a.stop is None:
+        raise InputError("--after-iteration goes with --kill or --stop")
+    if a.after_iteration is not None and a.after_iteration < 0:
+        raise InputError(f"--after-iteration {a.after_iteration}: must be >= 0")
+    if not a.delay_ms >= 0 or a.delay_ms == float("inf"):
+        raise InputError(f"--delay-ms {a.delay_ms}: must be a number >= 0")
     events = parse_trace(a.trace) if a.trace else None
     t_start = time.monotonic()
     store = mb.connect_store(a.store, timeout_s=a.timeout)
@@ -186,6 +221,12 @@ def run(a: argparse.Namespace) -> int:
     if a.kill is not None or a.stop is not None:
         rank = a.kill if a.kill is not None else a.stop
         info = worker(store, rank, world)
+        if a.after_iteration is not None:
+            if not await_iteration(store, rank, world, a.after_iteration, a.wait):
+                print(f"{PROG}: rank {rank} did not work past iteration {a.after_iteration} "
+                      f"within {a.wait:g} s", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(a.delay_ms / 1e3)
         return 0 if signal_worker(info, signal.SIGKILL if a.kill is not None
                                   else signal.SIGSTOP) else 1
 
