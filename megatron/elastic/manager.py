@@ -22,6 +22,7 @@ and entered afresh by every attempt.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import threading
@@ -179,6 +180,10 @@ class ElasticManager:
         self._watcher = threading.Thread(target=self._watch, name="chameleon-failure-watch",
                                          daemon=True)
         self._watcher.start()
+        # Whatever the way out (an error's sys.exit included), the threads stop before the
+        # interpreter finalizes: a daemon thread inside a store call then would be unwound
+        # through C++ frames, and the process would end in std::terminate (SIGABRT) or hang.
+        atexit.register(self.stop)
 
     def _watch(self, interval_s: float = 0.02) -> None:
         """A rank busy computing would notice a peer's death only at its next communication
@@ -444,7 +449,12 @@ class ElasticManager:
         return self.members.admission_due(self.admissions, iteration)
 
     def stop(self) -> None:
+        """Stop the watcher and the heartbeats (idempotent)."""
         self._stopping.set()
+        if self._watcher is not None:
+            # bounded by one poll of the store (its timeout, if the store is gone)
+            self._watcher.join(timeout=5)
+            self._watcher = None
         self.members.stop()
 
     def leave(self) -> None:
