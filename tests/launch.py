@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,3 +114,44 @@ def read_csv(path: Path) -> list[dict]:
     import csv
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+@dataclass
+class LateKill:
+    """tools/inject_failure.py run beside a job: it signals `rank` `delay_ms` after the rank
+    works past iteration `after` (a SIGKILL, or a SIGSTOP: a hang that stops heartbeats too)."""
+
+    port: int
+    rank: int
+    after: int
+    delay_ms: float
+    stop: bool = False
+    returncode: int | None = None
+    stderr: str = ""
+    signalled_at: float | None = None    # wall time of the signal, from the tool's log line
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self) -> "LateKill":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        # The job's store appears once its agent runs: until then the tool finds no worker.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            out = subprocess.run(
+                [sys.executable, "tools/inject_failure.py", "--store", f"127.0.0.1:{self.port}",
+                 "--stop" if self.stop else "--kill", str(self.rank), "--after-iteration",
+                 str(self.after), "--delay-ms", str(self.delay_ms), "--wait", "180"],
+                cwd=REPO, capture_output=True, text=True, timeout=240)
+            if "is not in the store" in out.stderr or "no store" in out.stderr:
+                time.sleep(0.5)
+                continue
+            self.returncode, self.stderr = out.returncode, out.stderr
+            found = re.search(r" at (\d+\.\d+)$", out.stdout.strip())
+            self.signalled_at = float(found.group(1)) if found else None
+            return
+
+    def join(self, timeout: float = 60) -> None:
+        self._thread.join(timeout)

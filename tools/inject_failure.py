@@ -146,7 +146,8 @@ def signal_worker(info: dict, sig: signal.Signals) -> bool:
         print(f"{PROG}: rank {info['rank']} (pid {pid}) is not running", file=sys.stderr,
               flush=True)
         return False
-    log(f"sent {sig.name} to rank {info['rank']} (pid {pid}) on {info['host']}")
+    log(f"sent {sig.name} to rank {info['rank']} (pid {pid}) on {info['host']} at "
+        f"{time.time():.3f}")
     return True
 
 

@@ -5,14 +5,10 @@ finishes with exit 0, the failure-free losses of an independent run, the samples
 delivered, and bit-identical replicas (parameters and Adam moments)."""
 
 import random
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
 
-from tests.launch import (REPO, SMALL_MODEL, assert_close, free_port, last_losses,
+from tests.launch import (SMALL_MODEL, LateKill, assert_close, free_port, last_losses,
                           run_chameleon, run_job)
 
 pytestmark = pytest.mark.slow
@@ -140,30 +136,13 @@ def test_a_kill_from_outside_at_a_random_instant(references, small_data, tmp_pat
     kills land in a save), under auto."""
     case = _random_kill(seed)
     port = free_port()
-    found: dict = {}
-
-    def inject() -> None:
-        # the job's store appears once its agent runs; the tool waits for the iteration
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            out = subprocess.run(
-                [sys.executable, "tools/inject_failure.py", "--store", f"127.0.0.1:{port}",
-                 "--kill", str(case["rank"]), "--after-iteration", str(case["after"]),
-                 "--delay-ms", str(case["delay_ms"]), "--wait", "120"],
-                cwd=REPO, capture_output=True, text=True, timeout=180)
-            if "is not in the store" not in out.stderr and "no store" not in out.stderr:
-                found["rc"], found["err"] = out.returncode, out.stderr
-                return
-            time.sleep(0.5)
-
-    killer = threading.Thread(target=inject, daemon=True)
-    killer.start()
+    kill = LateKill(port, case["rank"], case["after"], case["delay_ms"]).start()
     run = run_chameleon(6, common(small_data, 3) + [
         "--chameleon", "--save", str(tmp_path / "ckpt"),
         "--save-interval", str(case["save_interval"])], tmp_path, name=f"chaos{seed}",
         launcher_args=["--master-port", str(port)])
-    killer.join(timeout=60)
-    assert found.get("rc") == 0, (case, found)
+    kill.join()
+    assert kill.returncode == 0, (case, kill.stderr)
     assert_survived(run, references(3), 24, recoveries=None)
     fail = [e for e in run.metrics if e["event"] == "failure"]
     assert [f["ranks"] for f in fail] == [[case["rank"]]], (case, fail)

@@ -106,8 +106,10 @@ def test_forced_restart_leaves_the_survivors_the_plan_cannot_use(small_data, tmp
                         tmp_path, name="forced")
     assert run.returncode == 0, run.stderr[-3000:]
     assert_close(last_losses(run.metrics), ref.losses())
-    assert "> leaving the job at iteration 4: the restart plan uses 2 of the survivors" in run.stdout
-    assert "no checkpoint: the initial weights loaded onto pipeline 2 x data 1" in run.stdout
+    assert "> leaving the job after iteration 3: the restart plan uses 2 of the survivors" in \
+        run.stdout
+    assert "no checkpoint: back to iteration 0 and the initial weights loaded onto pipeline 2 x " \
+        "data 1" in run.stdout
     assert "worker rank 2" in run.stderr and "exited 0" in run.stderr
 
 
