@@ -30,16 +30,40 @@ from megatron.elastic.recovery import PHASE_OF, NotNeeded, Planning, Recovery, U
 from megatron.training import checkpointing, planning
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.data import DataError, MicroBatchLoader
+from megatron.training.known_warnings import silence_known_warnings
 from megatron.training.metrics import MetricsFile, Stopwatch, Tensorboard, iteration_line
 from megatron.training.tokenizer import TokenizerError, build_tokenizer
 
 log = logging.getLogger("megatron.training")
 
 
-def _fail(msg: str) -> None:
-    print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr, flush=True)
+# How long a rank that stays silent about a job-wide error waits before it exits: its node's
+# first rank finds the same error and must print it before a launcher stops it (torchrun stops
+# every worker ~0.1 s after one exits). 3 s covers the ranks' skew in reaching the set-up's
+# checks (their imports, on a loaded machine).
+_SILENT_EXIT_DELAY_S = 3.0
+
+
+def _first_on_node() -> bool:
+    """Launch rank 0 on one node; each node's first worker on several; a process without a
+    launcher."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
+
+
+def _fail(msg: str, *, job_wide: bool = False) -> None:
+    """One line on stderr, exit 2. `job_wide`: every rank finds this error (the job's arguments,
+    plan, data), so only each node's first worker prints it: once in each node's log, a node's
+    own data problem included."""
+    silent = job_wide and not _first_on_node()
+    if not silent:
+        print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+        # Collected while the interpreter is whole: gloo's threads joined at its teardown end
+        # in std::terminate (SIGABRT) once a peer has gone.
+        gc.collect()
+    if silent:
+        time.sleep(_SILENT_EXIT_DELAY_S)
     sys.exit(2)
 
 
@@ -113,7 +137,10 @@ def make_plan(args, world: int) -> ExecutionPlan:
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, loss_func,
              argv: list[str] | None = None) -> dict:
     """Train; returns a summary dict (rank 0 also prints it)."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    silence_known_warnings()
+    # What every rank would log alike (the packed-comm backend) is logged once per node.
+    logging.basicConfig(level=logging.INFO if _first_on_node() else logging.WARNING,
+                        format="%(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # per-bucket parameter lists
     try:
         args = parse_args(argv)
@@ -123,9 +150,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                                     tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
         injector = Injector(parse_injects(args.chameleon_inject), int(os.environ.get("RANK", "0")))
     except (ArgumentError, PlanError, TokenizerError, FaultSpecError) as e:
-        _fail(str(e))
+        _fail(str(e), job_wide=True)
     if args.chameleon and not Recovery.available():
-        _fail("--chameleon needs the job to run under chameleon-launch (no CHAMELEON_STORE)")
+        _fail("--chameleon needs the job to run under chameleon-launch (no CHAMELEON_STORE)",
+              job_wide=True)
     args.padded_vocab_size = _pad_vocab(tokenizer.vocab_size, args)
 
     joining = args.chameleon and os.environ.get(membership.JOIN_ENV) == "1"
@@ -142,7 +170,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         try:
             base = planning.base_profile(args, args.distributed_backend == "nccl")
         except ProfileError as e:
-            _fail(str(e))
+            _fail(str(e), job_wide=True)
         recovery = Recovery(args.distributed_backend, strategy=args.chameleon_strategy,
                             injector=injector, eager=args.chameleon_redundancy == "eager",
                             target=plan)
@@ -153,7 +181,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     try:
         train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, tokenizer)
     except DataError as e:
-        _fail(str(e))
+        _fail(str(e), job_wide=True)
     train_loader = MicroBatchLoader(train_ds, plan.micro_batch_size, plan.num_micro_batches)
     valid_loader = (MicroBatchLoader(valid_ds, plan.micro_batch_size, plan.num_micro_batches)
                     if valid_ds is not None and args.eval_interval else None)
