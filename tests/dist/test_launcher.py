@@ -20,6 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from chameleon_ext import membership as mb
+from tests.launch import SMALL_MODEL, run_chameleon
 
 pytestmark = pytest.mark.slow
 
@@ -307,6 +308,22 @@ def test_inject_failure_stop_and_kill_hit_the_right_pids(launch):
     assert f"worker rank 1 (pid {info[1]['pid']}) hung" in err
     assert f"worker rank 2 (pid {info[2]['pid']}) died: signal SIGKILL" in err
     assert f"worker rank 0 (pid {info[0]['pid']}) exited 0" in err
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_reject_their_arguments_end_the_job_with_their_code_and_one_error(tmp_path):
+    # pretrain_gpt.py's workers: world 3 cannot hold pipelines of 2 stages
+    run = run_chameleon(3, SMALL_MODEL + ["--pipeline-model-parallel-size", "2",
+                                          "--global-batch-size", "8", "--mock-data"],
+                        tmp_path, timeout=90)
+    assert run.returncode == 2, run.stderr
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert errors == ["pretrain_gpt.py: error: world size 3 is not divisible by "
+                      "--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2"], \
+        run.stderr
+    assert run.stderr.count("exited with code 2") == 1
+    assert "all 3 worker(s) exited with code 2 (bad arguments?); exit 2" in \
+        run.stderr.splitlines()[-1]
 
 
 def test_trace_file_errors(tmp_path):
