@@ -1,7 +1,9 @@
 """chameleon-launch with tiny gloo workers (no megatron): a worker's SIGKILL is in the store
 within a second and its peers live on, re-create a gloo world on PrefixStore("gen1") and
 all-reduce correctly; exit codes; Ctrl-C leaves no process behind; --max-failures stops the
-job; inject_failure.py kills (and stops) the right pid; a silent heartbeat is reported as a hang."""
+job; inject_failure.py kills (and stops) the right pid; a silent heartbeat is reported as a hang.
+And pretrain_gpt.py workers that all reject their arguments: the job exits with their code 2,
+the error said once."""
 
 from __future__ import annotations
 
