@@ -269,9 +269,13 @@ def why(recovery: dict) -> list[str]:
         return [f"why         no candidates were ranked (no calibration yet: the failure came "
                 f"in the first iterations), so {recovery['strategy']} was taken by rule"]
     chosen = next((c for c in candidates if c["strategy"] == recovery["strategy"]), None)
+    horizon = "horizon"
+    if chosen and chosen.get("total_ms") is not None and chosen["predicted_iter_ms"] > 0:
+        n = (chosen["total_ms"] - chosen["transition_ms"]) / chosen["predicted_iter_ms"]
+        horizon = f"{n:.1f} iterations"
     lines = ["why         auto predicted each candidate plan over the survivors with the live "
-             "calibration and took the lowest total: transition + iterations left x iteration "
-             "time"]
+             f"calibration and took the lowest total: transition + {horizon} (those expected "
+             "before the next failure, at most the ones left) x iteration time"]
     for c in candidates:
         total = "" if c.get("total_ms") is None else f", total {c['total_ms']:8.1f} ms"
         lines.append(
