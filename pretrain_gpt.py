@@ -3,11 +3,9 @@ step, a datasets provider, and pretrain(). Launch with torchrun (or chameleon-la
 
 from __future__ import annotations
 
-import warnings
+from megatron.training.known_warnings import silence_known_warnings
 
-# megatron-core warns once per module that apex/transformer-engine are absent; on CPU that is the
-# expected set-up (torch fallbacks), so pretrain() states it in one line instead.
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
+silence_known_warnings()  # before megatron-core's imports, which raise most of them
 
 import torch  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402

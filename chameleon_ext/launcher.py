@@ -39,9 +39,11 @@ new rank (world size + the job's restart count, from the store's ``chameleon/nex
 CHAMELEON_JOIN=1: the failed rank stays failed, and the new one asks to join the running job
 (pretrain_gpt.py --chameleon admits it at an iteration boundary; see megatron.elastic.recovery).
 
-The agent ends when every worker of the job has exited or been reported failed. Exit status: 0
-when at least one worker finished with 0 and the job was not stopped for --max-failures, else 1;
-on SIGINT/SIGTERM (SIGHUP, SIGQUIT) it terminates its workers (SIGTERM, then SIGKILL after --grace seconds, reaping
+The agent ends when every worker of the job has exited or been reported failed. Exit status: the
+workers' own code when every worker of the node exited with the same non-zero code and nothing
+else failed in the job (no signal, hang or lost node: 2 from workers that rejected their
+arguments); else 0 when at least one worker finished with 0 and the job was not stopped for
+--max-failures, else 1; on SIGINT/SIGTERM (SIGHUP, SIGQUIT) it terminates its workers (SIGTERM, then SIGKILL after --grace seconds, reaping
 each by PID/process group), reports them, and exits 130 / 143. Killing the node-0 agent takes the
 store with it: the job cannot survive that (keep the store on a machine that stays, or use --store).
 
@@ -622,12 +624,30 @@ class Agent:
             if abort:
                 self.aborted = (self._safe(self.store.get, mb.KEY_ABORT) or b"").decode()
         ok = bool(exits) and self.aborted is None and not self.store_broken
+        same = self._same_exit_code(fails)
+        if same is not None:
+            log(f"node {self.node} done: all {self.nproc} worker(s) exited with code {same}"
+                + (" (bad arguments?)" if same == 2 else "")
+                + (f"; stopped: {self.aborted}" if self.aborted else "") + f"; exit {same}")
+            return same
         failed = ", ".join(f"rank {r}: {f.cause}" + (f" ({f.detail})" if f.detail else "")
                            for r, f in sorted(fails.items()))
         code = 0 if ok else 1
         log(f"node {self.node} done: {len(exits)} worker(s) finished, {len(fails)} failed"
             + (f" ({failed})" if failed else "")
             + (f"; stopped: {self.aborted}" if self.aborted else "") + f"; exit {code}")
+        return code
+
+    def _same_exit_code(self, fails: dict) -> int | None:
+        """The code every worker of this node exited with by itself (the same, non-zero), when
+        nothing else failed in the job: the workers' own verdict (2: their arguments), which
+        the agent passes on. None otherwise (a signal, a hang, a lost node, mixed codes)."""
+        codes = set(self.outcome.values())
+        if len(codes) != 1 or len(self.outcome) != self.nproc:
+            return None
+        code = codes.pop()
+        if code <= 0 or any(f.cause != "exit" for f in fails.values()):
+            return None
         return code
 
     def _interrupted(self) -> int:

@@ -1,6 +1,14 @@
 import pytest
 
 from megatron.training.builtin_data import ensure_builtin_dataset
+from megatron.training.known_warnings import KNOWN, SOURCE
+
+
+def pytest_configure(config):
+    # pytest resets the warning filters around each phase to its own list: the known ones go there.
+    for known in KNOWN:
+        config.addinivalue_line("filterwarnings", f"ignore:{known.message}:"
+                                                  f"{known.category.__name__}:{SOURCE}")
 
 
 @pytest.fixture(scope="session")

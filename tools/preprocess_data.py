@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -326,7 +325,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.workers < 1:
         print(f"{prog}: error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
         return 2
-    warnings.filterwarnings("ignore", message=r".*Transformer Engine and Apex are not installed.*")
+    from megatron.training.known_warnings import silence_known_warnings
+    silence_known_warnings()
     from megatron.training.tokenizer import TokenizerError, build_tokenizer
 
     try:

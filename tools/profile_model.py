@@ -247,11 +247,10 @@ def _setup_megatron(torch, cuda: bool) -> bool:
     TP = PP = 1) and megatron-core's parallel state; the CPU patches where there is no CUDA.
     Returns whether the world was created here (and so is to be destroyed here)."""
     import logging
-    import warnings
 
     import torch.distributed as dist
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
-    warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # TransformerConfig's
+    from megatron.training.known_warnings import silence_known_warnings
+    silence_known_warnings()
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     from megatron.elastic import cpu_compat
     if cuda:

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from megatron.training.known_warnings import silence_known_warnings
+
 __all__ = ["ensure_builtin_dataset", "builtin_corpus_files", "builtin_dataset_prefix",
            "DEFAULT_DATA_DIR", "DEFAULT_MAX_BYTES"]
 
@@ -96,6 +98,7 @@ def _exists(prefix: str) -> bool:
 
 
 def _import_preprocess():
+    silence_known_warnings()  # preprocess imports megatron-core
     try:
         from tools.preprocess_data import preprocess
     except ImportError:

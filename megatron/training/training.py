@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,20 +17,40 @@ from chameleon_ext.plan import ExecutionPlan, PlanError
 from megatron.elastic import parallel_state
 from megatron.elastic.manager import ElasticManager
 from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.known_warnings import silence_known_warnings
 from megatron.training.tokenizer import TokenizerError, build_tokenizer
 from megatron.training.trainer import JobError, Providers, Trainer
 
 log = logging.getLogger("megatron.training")
 
 
+# How long a rank that stays silent about a job-wide error waits before it exits: its node's
+# first rank finds the same error and must print it before a launcher stops it (torchrun stops
+# every worker ~0.1 s after one exits). 3 s covers the ranks' skew in reaching the set-up's
+# checks (their imports, on a loaded machine).
+_SILENT_EXIT_DELAY_S = 3.0
+
+
+def _first_on_node() -> bool:
+    """Launch rank 0 on one node; each node's first worker on several; a process without a
+    launcher."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
+
+
 def _fail(msg: str, code: int = 2) -> None:
-    print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr, flush=True)
+    """One line on stderr, then exit `code`. Code 2 is bad input that every rank finds (the
+    job's arguments, plan, data): only each node's first worker prints it, once per node's log."""
+    silent = code == 2 and not _first_on_node()
+    if not silent:
+        print(f"{os.path.basename(sys.argv[0])}: error: {msg}", file=sys.stderr, flush=True)
     parallel_state.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
     # The groups go while the interpreter is whole: gloo's threads joined at its teardown end
     # in std::terminate (SIGABRT instead of this exit code).
     gc.collect()
+    if silent:
+        time.sleep(_SILENT_EXIT_DELAY_S)
     sys.exit(code)
 
 
@@ -83,7 +104,9 @@ def make_plan(args, world: int) -> ExecutionPlan:
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, loss_func,
              argv: list[str] | None = None) -> dict:
     """Train; returns a summary dict (rank 0 also prints it)."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    silence_known_warnings()
+    logging.basicConfig(level=logging.INFO if _first_on_node() else logging.WARNING,
+                        format="%(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # per-bucket parameter lists
     try:
         args = parse_args(argv)

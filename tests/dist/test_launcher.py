@@ -1,7 +1,9 @@
 """chameleon-launch with tiny gloo workers (no megatron): a worker's SIGKILL is in the store
 within a second and its peers live on, re-create a gloo world on PrefixStore("gen1") and
 all-reduce correctly; exit codes; Ctrl-C leaves no process behind; --max-failures stops the
-job; inject_failure.py kills (and stops) the right pid; a silent heartbeat is reported as a hang."""
+job; inject_failure.py kills (and stops) the right pid; a silent heartbeat is reported as a hang.
+And pretrain_gpt.py workers that all reject their arguments: the job exits with their code 2,
+the error said once."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from chameleon_ext import membership as mb
+from tests.launch import SMALL_MODEL, run_chameleon
 
 pytestmark = pytest.mark.slow
 
@@ -307,6 +310,22 @@ def test_inject_failure_stop_and_kill_hit_the_right_pids(launch):
     assert f"worker rank 1 (pid {info[1]['pid']}) hung" in err
     assert f"worker rank 2 (pid {info[2]['pid']}) died: signal SIGKILL" in err
     assert f"worker rank 0 (pid {info[0]['pid']}) exited 0" in err
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_reject_their_arguments_end_the_job_with_their_code_and_one_error(tmp_path):
+    # pretrain_gpt.py's workers: world 3 cannot hold pipelines of 2 stages
+    run = run_chameleon(3, SMALL_MODEL + ["--pipeline-model-parallel-size", "2",
+                                          "--global-batch-size", "8", "--mock-data"],
+                        tmp_path, timeout=90)
+    assert run.returncode == 2, run.stderr
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert errors == ["pretrain_gpt.py: error: world size 3 is not divisible by "
+                      "--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2"], \
+        run.stderr
+    assert run.stderr.count("exited with code 2") == 1
+    assert "all 3 worker(s) exited with code 2 (bad arguments?); exit 2" in \
+        run.stderr.splitlines()[-1]
 
 
 def test_trace_file_errors(tmp_path):
