@@ -1,7 +1,8 @@
-"""Membership over the store: worker processes (each a TCPStore client of a store hosted here)
-agree on the survivors after a SIGKILL (reported) and a SIGSTOP (seen as a stale heartbeat); a
-second failure during agreement (the leader's) still gives one list that every survivor reads;
-a rank that never arrives makes agree() time out naming it."""
+"""Membership over the store: worker processes (each a client of a store hosted here, or of an
+etcd cluster) agree on the survivors after a SIGKILL (reported) and a SIGSTOP (seen as a stale
+heartbeat); a second failure during agreement (the leader's) still gives one list that every
+survivor reads; a rank that never arrives makes agree() time out naming it. Every test that uses a
+store runs on a TCPStore and on a 3-member etcd cluster."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ pytestmark = pytest.mark.slow
 
 # ----------------------------------------------------------------------------- the worker process
 
-def _member(rank: int, world: int, port: int, hb_timeout: float) -> None:
+def _member(rank: int, world: int, addr: str, hb_timeout: float) -> None:
     """Agree on each generation the controller opens with test/go/{g}; results go to the store."""
     import torch
     torch.set_num_threads(1)
-    store = mb.connect_store(f"127.0.0.1:{port}", timeout_s=60)
+    store = mb.connect_store(addr, timeout_s=60)
     m = mb.Membership(store, rank, world, hb_timeout)
     m.start_heartbeat(0.05)
     store.set(f"test/ready/{rank}", str(os.getpid()))
@@ -52,15 +53,14 @@ def _member(rank: int, world: int, port: int, hb_timeout: float) -> None:
 
 
 class Job:
-    """A store hosted here and `world` member processes; every pid is killed at the end."""
+    """`world` member processes on the store at `addr`; every pid is killed at the end."""
 
-    def __init__(self, world: int, hb_timeout: float):
+    def __init__(self, addr: str, world: int, hb_timeout: float):
         self.world = world
-        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60),
-                                   wait_for_workers=False)
+        self.store = mb.connect_store(addr, timeout_s=60)
         self.m = mb.Membership(self.store, None, world, hb_timeout)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_member, args=(r, world, self.store.port, hb_timeout),
+        self.procs = [ctx.Process(target=_member, args=(r, world, addr, hb_timeout),
                                   daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
@@ -97,12 +97,23 @@ class Job:
         assert all(not p.is_alive() for p in self.procs)
 
 
+@pytest.fixture(params=["tcp", "etcd"])
+def store_addr(request):
+    """The address of an empty store: a TCPStore hosted here, or a fresh etcd namespace."""
+    if request.param == "etcd":
+        yield request.getfixturevalue("etcd").url(request.node.name.replace("[", "-")[:-1])
+        return
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60),
+                           wait_for_workers=False)
+    yield f"127.0.0.1:{server.port}"
+
+
 @pytest.fixture
-def job_factory():
+def job_factory(store_addr):
     jobs = []
 
     def make(world, hb_timeout):
-        jobs.append(Job(world, hb_timeout))
+        jobs.append(Job(store_addr, world, hb_timeout))
         return jobs[-1]
     yield make
     for j in jobs:
@@ -170,13 +181,12 @@ def test_leader_failing_during_agreement_still_converges(job_factory):
 # ----------------------------------------------------------------------------- in-process checks
 
 @pytest.fixture
-def store():
-    s = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    yield s
+def store(store_addr):
+    return store_addr
 
 
-def _client(store):
-    return mb.connect_store(f"127.0.0.1:{store.port}", timeout_s=30)
+def _client(addr):
+    return mb.connect_store(addr, timeout_s=30)
 
 
 def _run_threads(fns):
@@ -281,11 +291,10 @@ def test_store_spec_errors(monkeypatch):
         mb.connect_store()
 
 
-def test_detection_is_timed_from_the_death_to_the_first_notice():
+def test_detection_is_timed_from_the_death_to_the_first_notice(store_addr):
     """The first survivor's notice wins; a death is timed by the victim's own announcement
     where it made one, else by the agent's record less the agent's latency."""
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
-                          wait_for_workers=False)
+    store = _client(store_addr)
     a, b = mb.Membership(store, 0, 3, 5.0), mb.Membership(store, 1, 3, 5.0)
     assert a.notice(1, when=100.25) == 100.25
     assert b.notice(1, when=100.5) == 100.25
