@@ -46,11 +46,17 @@ def _fail(msg: str) -> None:
 def initialize_distributed(args) -> tuple[int, int]:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
     if args.distributed_backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(args.distributed_backend, rank=rank, world_size=world,
+    # Under chameleon-launch the first world meets on the job's store, as later generations do
+    # (env:// knows only a TCPStore; the store may be an etcd cluster).
+    store = None
+    if os.environ.get(membership.STORE_ENV):
+        store = membership.generation_store(membership.connect_store(), 0)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(args.distributed_backend, rank=rank, world_size=world, store=store,
                             timeout=timedelta(minutes=args.distributed_timeout_minutes))
     return rank, world
 
