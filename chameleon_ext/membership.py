@@ -37,8 +37,9 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
                                        joiner meets the others
 
 Process groups of generation g rendezvous on ``PrefixStore(f"gen{g}", store)`` (see
-``generation_store`` and ``rebuild_world``); generation 0 may also use ``env://`` under the launcher
-(its keys live under ``default_pg/``), so no prefix is ever reused.
+``generation_store`` and ``rebuild_world``); the first world is generation 0 (pretrain_gpt.py
+meets on ``gen0``; a script may use ``env://`` on a TCPStore instead, whose keys live under
+``default_pg/``), so no prefix is ever reused.
 
 A survivor's recovery, in order (what tests/dist/test_launcher.py runs)::
 
