@@ -17,8 +17,9 @@ POST, base64 keys and values), with the standard library's http.client:
   mod_revision, put; see below), ``multi_get`` and ``check`` as one read-only transaction, and
   blocking ``get``/``wait`` as a watch from the revision at which the key was seen missing (no
   polling, no missed update);
-- the gateway needs no client library: python-etcd3 (gRPC) is unmaintained and pins an old
-  protobuf, etcd3gw brings requests and its own dependency tree; a dozen JSON endpoints do not.
+- the gateway needs no client library: python-etcd3 (gRPC; last release 0.12.0) fails to import
+  with protobuf 4 and later ("Descriptors cannot be created directly", its issues #1957, #2709),
+  etcd3gw brings requests and its own dependency tree; a few JSON endpoints need neither.
 
 The store is a Python subclass of ``dist.Store``: c10d calls its methods for the rendezvous of
 process groups (``init_process_group(store=PrefixStore(f"gen{g}", store))``, ``new_group``). In
@@ -39,9 +40,9 @@ request whose answer was lost is never applied twice.
 Timeouts (each bounds one thing):
 - ``request_timeout_s`` (2 s): one HTTP request to one member, connect to answer (and one slice
   of a watch). A healthy cluster answers in milliseconds (etcd warns past 100 ms). When the leader
-  dies, a follower may have forwarded our write to it: etcd drops such a proposal silently and
-  answers only at its own request timeout (7 s), so this bound is what a leader's loss costs (about
-  2 s measured, against 5 s with a 5 s bound). A request cut short on a slow but healthy member
+  dies, a follower may have forwarded our write to it: the proposal is lost and the follower
+  answers only when its own (longer) request timeout expires, so this bound is what a leader's
+  loss costs (about 2 s measured, against 5 s with a 5 s bound). A request cut short on a slow but healthy member
   is merely sent again to the next one (every retry is safe, see above).
 - ``unavailable_s`` (30 s): one operation's retries across the members when none answers: several
   leader elections (etcd's default election timeout is 1 s) and a member restart fit in it; after
