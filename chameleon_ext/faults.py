@@ -15,8 +15,18 @@ slow     from iteration `iter` (default 0) on, each   rank, factor (> 1, default
          matching phase takes `factor` times as long  [phase] (default: every phase)
 =======  ===========================================  ===========================================
 
-Phases: forward, backward, grad-reduce, optimizer, between-iterations (the default of kill, exit
-and hang; ``_`` may stand for ``-``). ``rank`` is the rank the worker started with (generation 0).
+Phases (``_`` may stand for ``-``):
+
+- in a training step: forward, backward, grad-reduce, optimizer, commit (inside the step's
+  commit: after this rank's vote, before it applies the step), between-iterations (before the
+  step; the default of kill, exit and hang);
+- outside the steps: checkpoint (inside a save, after this rank wrote its part), eval (inside
+  an evaluation), shutdown (after the last iteration, before the final save and reports);
+- inside a reconfiguration (iteration: the interrupted one): recovery (after the survivors
+  agreed, before the new world is built), rebuild (while the new world's groups are created),
+  transfer (while the state moves to the new plan's ranks).
+
+``rank`` is the rank the worker started with (generation 0).
 Several specs are separated by ``;`` (``parse_injects``). Example:
 ``kill:rank=3,iter=5,phase=backward;slow:rank=1,factor=2``.
 
@@ -33,8 +43,8 @@ import time
 from typing import Callable
 from dataclasses import dataclass
 
-# "recovery": after the survivors agreed on a new generation, before its world is built.
-PHASES = ("forward", "backward", "grad-reduce", "optimizer", "between-iterations", "recovery")
+PHASES = ("forward", "backward", "grad-reduce", "optimizer", "commit", "between-iterations",
+          "checkpoint", "eval", "shutdown", "recovery", "rebuild", "transfer")
 KINDS = ("kill", "exit", "hang", "slow")
 DEFAULT_PHASE = "between-iterations"
 INJECT_ENV = "CHAMELEON_INJECT"
@@ -183,7 +193,8 @@ class Injector:
         if specs and (isinstance(specs, str) or isinstance(specs[0], str)):
             specs = parse_injects(specs)
         self.rank = rank
-        self.specs = [s for s in (specs or []) if s.rank == rank]
+        self.job_specs = list(specs or [])     # every rank's, for the job's log line
+        self.specs = [s for s in self.job_specs if s.rank == rank]
         self._fired: set[int] = set()
         self.announce: Callable[[], None] | None = None  # told just before a kill, exit or hang
 

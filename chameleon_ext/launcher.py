@@ -160,6 +160,7 @@ class Agent:
         self.pids: dict[int, int] = {}
         self.outcome: dict[int, int] = {}         # local rank -> return code
         self.reported: set[int] = set()           # global ranks reported failed by this agent
+        self._progress_seen: dict[int, tuple[int, float]] = {}  # rank -> (seq, first seen)
         self.lost_nodes: set[int] = set()
         self.stop_signal: int | None = None
         self.aborted: str | None = None
@@ -427,21 +428,64 @@ class Agent:
     # ------------------------------------------------------------------ watching others
 
     def _check_hangs(self) -> None:
+        """Kill the local workers that are lost although their process lives: a silent
+        heartbeat (the whole process stopped), progress that stalled past its phase's allowance
+        while peers wait on them (a main thread stuck with its heartbeat thread alive), or a
+        failure record someone else wrote (a rank declared failed must never come back)."""
         ranks = [self.ranks[lr] for lr in self.running if self.ranks[lr] not in self.reported]
         if not ranks:
             return
         ages = self._safe(self.m.heartbeat_ages, ranks) or {}
         for rank, age in ages.items():
             if age > self.a.heartbeat_timeout:
-                lr = self.ranks.index(rank)
-                rec = self._safe(self.m.report_failure, rank, "hang",
-                                 f"heartbeat silent for {age:.1f} s",
-                                 reporter=f"agent node {self.node} pid {os.getpid()}")
-                self.reported.add(rank)
-                self._signal_worker(lr, signal.SIGKILL)
-                log(f"worker rank {rank} (pid {self.pids[lr]}) hung: heartbeat silent for "
-                    f"{age:.1f} s; " + ("reported to the store" if rec else "NOT reported")
-                    + "; killed it")
+                self._kill_lost(rank, f"heartbeat silent for {age:.1f} s")
+        ranks = [r for r in ranks if r not in self.reported]
+        for rank, why in self._stalled(ranks).items():
+            self._kill_lost(rank, why)
+        failed = self._safe(self.m.failures) or {}
+        for rank in [r for r in ranks if r in failed and r not in self.reported]:
+            self.reported.add(rank)
+            self._signal_worker(self.ranks.index(rank), signal.SIGKILL)
+            log(f"worker rank {rank} (pid {self.pids[self.ranks.index(rank)]}) was declared "
+                f"{failed[rank].cause} by {failed[rank].reporter}; killed it")
+
+    def _stalled(self, ranks: list[int]) -> dict[int, str]:
+        """Local ranks whose published progress has not moved for longer than their phase
+        allows (by this agent's clock) while some peer waits."""
+        everyone = self._safe(self.m.progress_of, self._job_ranks()) or {}
+        now = time.monotonic()
+        out = {}
+        for rank in ranks:
+            p = everyone.get(rank)
+            if p is None:
+                continue
+            seen = self._progress_seen.get(rank)
+            if seen is None or seen[0] != p.seq:
+                self._progress_seen[rank] = (p.seq, now)
+                continue
+            stalled = now - seen[1]
+            if p.waiting or p.allow_s <= 0 or stalled <= p.allow_s:
+                continue
+            waiting = sorted(r for r, q in everyone.items() if r != rank and q.waiting)
+            if waiting:
+                out[rank] = (f"no progress for {stalled:.1f} s in {p.phase} of iteration "
+                             f"{p.iteration} (allowed {p.allow_s:g} s) while rank(s) "
+                             f"{waiting} wait")
+        return out
+
+    def _job_ranks(self) -> list[int]:
+        done = set(self._safe(self.m.failures) or {}) | set(self._safe(self.m.exited) or [])
+        restarted = self._safe(self.store.add, mb.KEY_NEXT_MEMBER, 0) or 0
+        return [r for r in range(self.world_size + restarted) if r not in done]
+
+    def _kill_lost(self, rank: int, why: str) -> None:
+        lr = self.ranks.index(rank)
+        rec = self._safe(self.m.report_failure, rank, "hang", why,
+                         reporter=f"agent node {self.node} pid {os.getpid()}")
+        self.reported.add(rank)
+        self._signal_worker(lr, signal.SIGKILL)
+        log(f"worker rank {rank} (pid {self.pids[lr]}) hung: {why}; "
+            + ("reported to the store" if rec else "NOT reported") + "; killed it")
 
     def _node_ranks(self, node: int) -> list[int]:
         info = self._safe(mb.node_info, self.store, node)

@@ -18,16 +18,28 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
     chameleon/agent_done/{node}        set when that agent has finished (not a node loss)
     chameleon/hb/{rank}                wall time of the worker's last heartbeat; "off:<time>" once
                                        it stopped heartbeating on purpose (Membership.stop)
+    chameleon/progress/{rank}          JSON Progress: what the worker's main thread is doing
+                                       (iteration, a counter bumped at every op, phase, whether it
+                                       waits on peers), written with each heartbeat
     chameleon/failure/{rank}           JSON FailureRecord; the first report wins (compare_set)
     chameleon/failures                 append log "r,r,..." of reported ranks (may repeat)
     chameleon/exit/{rank}              JSON {"rank", "exitcode": 0, "time"}: a clean exit
     chameleon/exits                    append log "r,r,..." of cleanly exited ranks
     chameleon/abort                    reason text: the job is being stopped (--max-failures)
     chameleon/generation               the latest agreed generation (set by its leader)
-    chameleon/gen/{g}/arrived/{rank}   wall time a rank arrived at agreement g
+    chameleon/gen/{g}/arrived/{rank}   JSON {"time", "iteration"}: a rank's arrival at agreement g
+                                       and the last iteration whose step it applied
     chameleon/gen/{g}/arrivals         append log "r,r,..." of arrived ranks
     chameleon/gen/{g}/final            JSON Agreement, written once (compare_set) by the leader
     chameleon/gen/{g}/pub/{key}        bytes published for generation g (e.g. the plan JSON)
+    chameleon/gen/{g}/ready/{rank}     the rank is about to build generation g's world
+    chameleon/gen/{g}/noticed          wall time the first rank saw generation g - 1's world break
+    chameleon/gen/{g}/retry            JSON next generation: g's world could not be built (a
+                                       participant failed meanwhile); everyone agrees again there
+    chameleon/gen/{g}/committed        g's world is built and holds the state (its leader, after
+                                       the first collective); ranks g's plan left out may go
+    chameleon/gen/{g}/commit/{i}/votes counter: ranks of generation g ready to apply step i
+    chameleon/gen/{g}/commit/{i}/decision  "commit" or "abort", written once (compare_set)
     chameleon/next_member              counter: a restarted worker's rank is world_size + its
                                        value (set by the agent that restarts it)
     chameleon/joins                    append log "r,r,..." of ranks asking to join
@@ -141,6 +153,10 @@ def key_exit(rank: int) -> str:
     return f"{ROOT}/exit/{rank}"
 
 
+def key_progress(rank: int) -> str:
+    return f"{ROOT}/progress/{rank}"
+
+
 def gen_prefix(generation: int) -> str:
     return f"{ROOT}/gen/{generation}"
 
@@ -196,6 +212,9 @@ class Agreement:
     failed: list[int]           # candidates not in `alive` (failed, stale or exited cleanly)
     leader: int                 # lowest alive rank: it published this list
     causes: dict[int, str] = field(default_factory=dict)   # failed rank -> cause / "stale" / "exited"
+    # The last iteration whose optimizer step every rank of `alive` applied: the leader checked
+    # that they all report the same one (None: nobody reported one, e.g. only joiners).
+    iteration: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -207,14 +226,40 @@ class Agreement:
     def to_json(self) -> str:
         return json.dumps({"generation": self.generation, "alive": self.alive,
                            "failed": self.failed, "leader": self.leader,
-                           "causes": {str(k): v for k, v in self.causes.items()}})
+                           "causes": {str(k): v for k, v in self.causes.items()},
+                           "iteration": self.iteration})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Agreement":
         d = json.loads(text)
         return cls(int(d["generation"]), [int(r) for r in d["alive"]],
                    [int(r) for r in d["failed"]], int(d["leader"]),
-                   {int(k): v for k, v in d.get("causes", {}).items()})
+                   {int(k): v for k, v in d.get("causes", {}).items()}, d.get("iteration"))
+
+
+class DivergedSteps(MembershipError):
+    """Survivors report different last applied iterations: the step commit was not atomic."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a worker's main thread is doing, published with its heartbeat. A hang shows as a
+    `seq` that stops moving while the heartbeat thread lives on; `waiting` phases (a receive, a
+    collective, an agreement) are those of a hang's victims, never of its cause."""
+
+    iteration: int = 0
+    seq: int = 0                # bumped at every op and every step of a transition
+    phase: str = "start"
+    waiting: bool = False
+    allow_s: float = 0.0        # how long this phase may go without a bump (0: no limit)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Progress":
+        d = json.loads(text)
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 # ----------------------------------------------------------------------------------- the store
@@ -295,16 +340,103 @@ def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:
 
 
 def rebuild_world(store: dist.Store, agreement: Agreement, old_rank: int, backend: str = "gloo",
-                  timeout_s: float = 60.0) -> int:
+                  timeout_s: float = 60.0, members: "Membership | None" = None) -> int:
     """Destroy the current default group (if any) and create the agreement's world on
-    PrefixStore(f"gen{g}", store); returns this rank's new rank."""
+    PrefixStore(f"gen{g}", store); returns this rank's new rank. With `members`, the
+    rendezvous (of this world and of every group created in it later) gives up at once when a
+    rank of the agreement is lost meanwhile (RendezvousStore), instead of after `timeout_s`."""
+    global _rendezvous
     if dist.is_initialized():
         dist.destroy_process_group()
     new_rank = agreement.new_rank(old_rank)
-    dist.init_process_group(backend, store=generation_store(store, agreement.generation),
-                            rank=new_rank, world_size=agreement.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    rdzv = generation_store(store, agreement.generation) if members is None else \
+        RendezvousStore(members, agreement.generation, agreement.alive, timeout_s)
+    # A Python store must outlive the groups that hold it (they keep only its C++ half).
+    _rendezvous = rdzv
+    dist.init_process_group(backend, store=rdzv, rank=new_rank,
+                            world_size=agreement.world_size, timeout=timedelta(seconds=timeout_s))
     return new_rank
+
+
+_rendezvous: dist.Store | None = None
+
+
+class PeerLost(MembershipError):
+    """A rendezvous gave up: a rank it waits for failed, exited or went stale, the generation
+    was abandoned, or its time ran out."""
+
+
+class RendezvousStore(dist.Store):
+    """The rendezvous store of generation g's process groups: PrefixStore(f"gen{g}", store)
+    whose blocking reads (gloo's connection set-up, every new_group) poll, and raise PeerLost
+    as soon as a rank of the generation is lost or the generation is abandoned, so a failure
+    during a reconfiguration costs milliseconds, not the rendezvous timeout. Used from the
+    thread that builds the world (it shares that thread's store connection)."""
+
+    _CHECK_S = 0.05   # between looks at the failure records while a key is awaited
+
+    def __init__(self, members: "Membership", generation: int, ranks: list[int],
+                 timeout_s: float) -> None:
+        super().__init__()
+        self._m, self._generation, self._ranks = members, generation, list(ranks)
+        self._inner = generation_store(members.store, generation)
+        self._timeout_s = timeout_s
+
+    def _await(self, keys: list[str]) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        next_check = 0.0
+        sleep = 0.001
+        while not self._inner.check(keys):
+            now = time.monotonic()
+            if now >= next_check:
+                self._check(keys)
+                next_check = now + self._CHECK_S
+            if now > deadline:
+                raise PeerLost(f"rendezvous of generation {self._generation}: keys {keys} not "
+                               f"set within {self._timeout_s:g} s")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.01)
+
+    def _check(self, keys: list[str]) -> None:
+        m = self._m
+        if m.store.check([f"{gen_prefix(self._generation)}/retry"]):
+            raise PeerLost(f"generation {self._generation} was abandoned while its groups "
+                           "were being created")
+        failed = m.failures()
+        exits = set(m.exited())
+        gone = [r for r in self._ranks if r in failed or r in exits]
+        gone += [r for r in m.stale_ranks([r for r in self._ranks if r not in gone])]
+        if gone:
+            raise PeerLost(f"rank(s) {sorted(gone)} of generation {self._generation} lost "
+                           f"while its groups were being created (waiting for {keys})")
+
+    def set(self, key, value):
+        self._inner.set(key, value)
+
+    def get(self, key):
+        self._await([key])
+        return self._inner.get(key)
+
+    def wait(self, keys, timeout=None):
+        self._await(list(keys))
+
+    def check(self, keys):
+        return self._inner.check(keys)
+
+    def add(self, key, value):
+        return self._inner.add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self._inner.delete_key(key)
+
+    def num_keys(self):
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout):
+        pass   # every blocking read is bounded by the reconfiguration's timeout instead
 
 
 def _text(v: bytes | str) -> str:
@@ -359,6 +491,9 @@ class Membership:
         self._hb_stop = threading.Event()
         self._failure_cache: dict[int, FailureRecord] = {}
         self._worker_nodes: dict[int, int] = {}
+        # Set by the main thread (tick), read by the heartbeat thread: a new immutable record
+        # each time, so the thread always writes a whole one.
+        self.progress = Progress()
 
     @classmethod
     def from_env(cls, store: dist.Store | None = None) -> "Membership":
@@ -370,7 +505,26 @@ class Membership:
 
     def heartbeat_once(self, store: dist.Store | None = None) -> None:
         self._require_rank("heartbeat")
-        (store or self.store).set(key_hb(self.rank), f"{time.time():.6f}")
+        store = store or self.store
+        store.set(key_hb(self.rank), f"{time.time():.6f}")
+        store.set(key_progress(self.rank), self.progress.to_json())
+
+    def tick(self, iteration: int, phase: str, waiting: bool = False,
+             allow_s: float | None = None) -> None:
+        """The main thread moved on: to `phase` of `iteration` (published with the next
+        heartbeat). `allow_s`: how long the phase may go without another tick before its agent
+        takes it for a hang while peers wait (default: the previous phase's)."""
+        prev = self.progress
+        self.progress = Progress(iteration, prev.seq + 1, phase, waiting,
+                                 prev.allow_s if allow_s is None else allow_s)
+
+    def progress_of(self, ranks: list[int]) -> dict[int, Progress]:
+        """The published progress of each rank that has one."""
+        present = [r for r in ranks if self.store.check([key_progress(r)])]
+        if not present:
+            return {}
+        values = self.store.multi_get([key_progress(r) for r in present])
+        return {r: Progress.from_json(v) for r, v in zip(present, values)}
 
     def start_heartbeat(self, interval: float | None = None) -> None:
         """A daemon thread writing this rank's timestamp every `interval` s (default timeout/4)."""
@@ -378,7 +532,9 @@ class Membership:
         if self._hb_thread is not None:
             return
         if interval is None:
-            interval = min(1.0, max(0.05, self.heartbeat_timeout / 4))
+            # Progress rides on the heartbeat: a hang is seen within this interval of its
+            # allowance running out (half a second is ample against allowances of seconds).
+            interval = min(0.5, max(0.05, self.heartbeat_timeout / 4))
         try:
             hb_store = self.store.clone()
         except Exception:       # a store type without clone: share it (and its lock)
@@ -492,6 +648,8 @@ class Membership:
         """Ranks that exited cleanly (exit code 0)."""
         return sorted(_read_log(self.store, KEY_EXITS))
 
+    # --- rejoin: a restarted or new rank asks, the leader schedules, everyone admits
+
     def request_join(self) -> None:
         """This (restarted or new) rank asks to be admitted at the next iteration boundary."""
         self.store.append(KEY_JOINS, f"{self._require_rank('join')},")
@@ -499,6 +657,46 @@ class Membership:
     def joins(self) -> list[int]:
         """Every rank that ever asked to join."""
         return sorted(_read_log(self.store, KEY_JOINS))
+
+    def schedule_admission(self, n: int, after: int, alive: list[int],
+                           admitted: set[int]) -> None:
+        """The leader: make the n-th admission, at the end of iteration `after`, of the
+        ranks asking to join (not yet admitted, not failed), unless it is made already."""
+        key = key_admission(n)
+        if self.store.check([key]):
+            return
+        waiting = [r for r in self.joins() if r not in alive and r not in admitted]
+        if waiting:
+            failed = self.failures()
+            waiting = [r for r in waiting if r not in failed]
+        if waiting:
+            self.store.set(key, json.dumps({"after": after, "joiners": waiting}))
+
+    def admission_due(self, n: int, iteration: int) -> bool:
+        """Whether the n-th admission is made and due at the end of `iteration`."""
+        key = key_admission(n)
+        return self.store.check([key]) and iteration >= json.loads(self.store.get(key))["after"]
+
+    def admission(self, n: int) -> dict:
+        """The n-th admission: {"after": iteration, "joiners": [...]}."""
+        return json.loads(self.store.get(key_admission(n)))
+
+    def admit(self, rank: int, generation: int, candidates: list[int], n: int) -> None:
+        """Tell joiner `rank` where to meet the others: agreement `generation` among
+        `candidates`, as the n-th admission."""
+        self.store.set(key_admit(rank), json.dumps(
+            {"generation": generation, "candidates": candidates, "admission": n}))
+
+    def admitted_to(self, timeout_s: float, poll_s: float = 0.05) -> dict | None:
+        """A joiner: where it meets the others (admit's record), once it is admitted; None
+        after `timeout_s`."""
+        key = key_admit(self._require_rank("join"))
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(poll_s)
+        return json.loads(self.store.get(key))
 
     def announce_death(self) -> None:
         """An injected fault is about to stop this rank: its exact time, to measure detection."""
@@ -521,19 +719,22 @@ class Membership:
     # --- agreement
 
     def agree(self, generation: int, candidates: list[int], timeout_s: float = 60.0,
-              poll_s: float = 0.005) -> Agreement:
+              poll_s: float = 0.005, iteration: int | None = None) -> Agreement:
         """Agree with the other survivors among `candidates` on the alive set of `generation`.
 
-        Each rank writes its arrival under gen/{generation}; a candidate is expected unless it is
-        reported failed, exited cleanly or is heartbeat-stale (re-checked while waiting). Once every
-        expected rank has arrived, the lowest of them (the leader) writes the final list with
+        Each rank writes its arrival under gen/{generation}, with `iteration`, the last
+        iteration whose optimizer step it applied (None for a rank with no state, a joiner); a
+        candidate is expected unless it is reported failed, exited cleanly or is heartbeat-stale
+        (re-checked while waiting). Once every expected rank has arrived, the lowest of them (the
+        leader) checks that they applied the same steps and writes the final list with
         compare_set, so exactly one list is ever published and every survivor reads that one. A
         leader that dies before publishing is dropped like any other rank and the next one
-        publishes. Raises AgreementTimeout naming the ranks that never arrived, and
-        ExcludedFromAgreement when this rank itself is reported failed or is not in the published
-        list. A rank of the list that fails afterwards is handled by the next agree() call
-        (generation + 1, candidates = this agreement's alive list). Destroy the broken process
-        group before calling this (see the module docstring).
+        publishes. Raises AgreementTimeout naming the ranks that never arrived,
+        ExcludedFromAgreement when this rank itself is reported failed or is not in the
+        published list, and DivergedSteps when the survivors' iterations differ. A rank of the
+        list that fails afterwards is handled by the next agree() call (generation + 1,
+        candidates = this agreement's alive list). Destroy the broken process group before
+        calling this (see the module docstring).
         """
         me = self._require_rank("agree")
         cand = sorted({int(r) for r in candidates})
@@ -541,7 +742,8 @@ class Membership:
             raise ValueError(f"rank {me} is not among the candidates {cand}")
         ns = gen_prefix(generation)
         final_key, arrivals_key = f"{ns}/final", f"{ns}/arrivals"
-        self.store.set(f"{ns}/arrived/{me}", f"{time.time():.6f}")
+        self.store.set(f"{ns}/arrived/{me}", json.dumps({"time": time.time(),
+                                                         "iteration": iteration}))
         self.store.append(arrivals_key, f"{me},")
         start = time.monotonic()
         deadline = start + timeout_s
@@ -556,6 +758,11 @@ class Membership:
                         f"rank {me} is not in the alive list {ag.alive} agreed for generation "
                         f"{generation} (declared {ag.causes.get(me, 'failed')} by leader "
                         f"{ag.leader})")
+                if iteration is not None and ag.iteration is not None \
+                        and iteration != ag.iteration:
+                    raise DivergedSteps(f"rank {me} applied the steps up to iteration "
+                                        f"{iteration}, generation {generation} agreed on "
+                                        f"{ag.iteration}")
                 return ag
             arrived = set(_parse_log(self.store.get(arrivals_key))) & set(cand)
             fails = self.failures()
@@ -572,7 +779,8 @@ class Membership:
             missing = [r for r in expected if r not in arrived]
             if not missing and expected[0] == me:
                 ag = Agreement(generation, expected, sorted(dropped), me,
-                               {r: dropped[r] for r in sorted(dropped)})
+                               {r: dropped[r] for r in sorted(dropped)},
+                               self._agreed_iteration(ns, expected))
                 won = self.store.compare_set(final_key, "", ag.to_json())
                 if Agreement.from_json(won).leader == me:
                     self.store.set(KEY_GENERATION, str(generation))
@@ -582,6 +790,84 @@ class Membership:
                                        sorted(dropped))
             time.sleep(sleep)
             sleep = min(sleep * 1.5, 0.05)
+
+    def _agreed_iteration(self, ns: str, ranks: list[int]) -> int | None:
+        """The one last applied iteration of `ranks` (arrived at agreement `ns`), or
+        DivergedSteps naming who applied what."""
+        arrivals = self.store.multi_get([f"{ns}/arrived/{r}" for r in ranks])
+        applied = {r: json.loads(v).get("iteration") for r, v in zip(ranks, arrivals)}
+        steps = {it for it in applied.values() if it is not None}
+        if len(steps) > 1:
+            raise DivergedSteps(f"survivors applied different steps: {applied} (rank: last "
+                                "applied iteration)")
+        return steps.pop() if steps else None
+
+    # --- the step commit
+
+    def commit(self, generation: int, iteration: int, world: list[int], timeout_s: float,
+               poll_s: float = 0.0005) -> bool:
+        """Vote to apply the optimizer step of `iteration` in the world of `generation` (its
+        launch ranks `world`); True when every rank of it applies the step, False when none
+        does. The step is applied iff all of them voted: the decision is written once
+        (compare_set) by the rank that sees the last vote, or as "abort" by a rank that sees a
+        member fail, a failure noticed in this world, or `timeout_s` pass first, so every rank
+        reads the same outcome whenever it looks (torchft's should_commit). A rank that never
+        votes guarantees an abort; one that dies after voting cannot make the others differ."""
+        ns = f"{gen_prefix(generation)}/commit/{iteration}"
+        decision_key, votes_key = f"{ns}/decision", f"{ns}/votes"
+        broken_key = f"{gen_prefix(generation + 1)}/noticed"
+        votes = self.store.add(votes_key, 1)
+        deadline = time.monotonic() + timeout_s
+        sleep = poll_s
+        while True:
+            if votes >= len(world):
+                return self._decide(decision_key, "commit")
+            if self.store.check([decision_key]):
+                return _text(self.store.get(decision_key)) == "commit"
+            failed = self.failures()
+            if any(r in failed for r in world) or self.store.check([broken_key]) \
+                    or time.monotonic() > deadline:
+                return self._decide(decision_key, "abort")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.01)
+            votes = self.store.add(votes_key, 0)
+
+    def _decide(self, key: str, outcome: str) -> bool:
+        return _text(self.store.compare_set(key, "", outcome)) == "commit"
+
+    def forget_commit(self, generation: int, iteration: int) -> None:
+        """Drop a decided step's keys (every rank has read the decision of an iteration once
+        all of them voted for the next one)."""
+        ns = f"{gen_prefix(generation)}/commit/{iteration}"
+        for key in (f"{ns}/votes", f"{ns}/decision"):
+            self.store.delete_key(key)
+
+    # --- the outcome of a generation's reconfiguration
+
+    def abandon(self, generation: int) -> int:
+        """`generation`'s world could not be built: everyone agrees again one generation up.
+        Returns that generation (the first rank to abandon it names it)."""
+        won = self.store.compare_set(f"{gen_prefix(generation)}/retry", "",
+                                     str(generation + 1))
+        return int(_text(won))
+
+    def committed(self, generation: int) -> None:
+        """`generation`'s world is built and holds the job's state (its leader says so)."""
+        self.store.set(f"{gen_prefix(generation)}/committed", f"{time.time():.6f}")
+
+    def outcome(self, generation: int, timeout_s: float, poll_s: float = 0.01) -> int | None:
+        """For a rank the plan of `generation` left out: None once that world is committed
+        (the rank may leave), or the generation to agree again in (it was abandoned)."""
+        ns = gen_prefix(generation)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.store.check([f"{ns}/committed"]):
+                return None
+            if self.store.check([f"{ns}/retry"]):
+                return int(_text(self.store.get(f"{ns}/retry")))
+            if time.monotonic() > deadline:
+                raise AgreementTimeout(generation, timeout_s, [], [], [])
+            time.sleep(poll_s)
 
     def ready(self, generation: int, ranks: list[int], timeout_s: float = 60.0,
               poll_s: float = 0.005) -> list[int]:

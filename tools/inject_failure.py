@@ -2,6 +2,8 @@
 
     python tools/inject_failure.py --store ADDRESS --kill RANK        SIGKILL one worker
     python tools/inject_failure.py --store ADDRESS --stop RANK        SIGSTOP one (a hang)
+        [--after-iteration N [--delay-ms D]]  ... once the worker works past iteration N
+                                              (its published progress), D ms later
     python tools/inject_failure.py --store ADDRESS --node NODE_RANK   SIGKILL a node: its agent
                                                                       and all of its workers
     python tools/inject_failure.py --store ADDRESS --trace FILE       timed kills
@@ -16,6 +18,11 @@ this host can be signalled: run the tool on the worker's node.
 so that nobody on that node reports the workers' deaths; the other agents then see the node's
 heartbeat go silent and report its ranks with cause "node". Killing node 0's agent ends a job
 whose store that agent hosts; with an etcd store (--store etcd://...) the job goes on.
+
+With --after-iteration the tool waits (up to --wait seconds) until the worker's progress,
+published with its heartbeat (``chameleon/progress/{rank}``, within half a second), shows an
+iteration above N, then sleeps D milliseconds: a kill at an arbitrary instant of the iteration
+that follows, whatever the worker is doing then (a step, a save, an evaluation, a recovery).
 
 A trace file has one event per line, ``SECONDS RANK [RANK ...]``: at SECONDS after the tool
 starts, SIGKILL those ranks. Blank lines and ``#`` comments are ignored.
@@ -113,6 +120,22 @@ def worker(store, rank: int, world: int | None) -> dict:
     return info
 
 
+def await_iteration(store, rank: int, world: int | None, iteration: int, wait_s: float,
+                    poll_s: float = 0.02) -> bool:
+    """Wait until `rank`'s published progress is past `iteration`; False after `wait_s` or
+    once the rank is no longer running."""
+    m = mb.Membership(store, None, world or 0)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        progress = m.progress_of([rank]).get(rank)
+        if progress is not None and progress.iteration > iteration:
+            return True
+        if rank in m.failures() or rank in m.exited():
+            return False
+        time.sleep(poll_s)
+    return False
+
+
 def signal_worker(info: dict, sig: signal.Signals) -> bool:
     """Signal a worker's process group; False when it is no longer running."""
     pid, pgid = int(info["pid"]), int(info.get("pgid", info["pid"]))
@@ -169,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--node", type=int, metavar="NODE_RANK",
                    help="SIGKILL a node's agent and all of its workers (a lost node)")
     g.add_argument("--trace", metavar="FILE", help="lines 'SECONDS RANK...' of timed kills")
+    p.add_argument("--after-iteration", type=int, metavar="N", default=None,
+                   help="with --kill/--stop: wait until the worker works past iteration N")
+    p.add_argument("--delay-ms", type=float, metavar="D", default=0.0,
+                   help="with --after-iteration: then wait D more milliseconds")
+    p.add_argument("--wait", type=float, metavar="SECONDS", default=600.0,
+                   help="with --after-iteration: how long to wait for it (default 600)")
     try:
         a = p.parse_args(argv)
     except SystemExit as e:
@@ -200,6 +229,12 @@ def run(a: argparse.Namespace) -> int:
         v = getattr(a, name)
         if v is not None and v < 0:
             raise InputError(f"--{name} {v}: must be >= 0")
+    if a.after_iteration is not None and a.kill is None and a.stop is None:
+        raise InputError("--after-iteration goes with --kill or --stop")
+    if a.after_iteration is not None and a.after_iteration < 0:
+        raise InputError(f"--after-iteration {a.after_iteration}: must be >= 0")
+    if not a.delay_ms >= 0 or a.delay_ms == float("inf"):
+        raise InputError(f"--delay-ms {a.delay_ms}: must be a number >= 0")
     events = parse_trace(a.trace) if a.trace else None
     t_start = time.monotonic()
     store = mb.connect_store(a.store, timeout_s=a.timeout)
@@ -209,6 +244,12 @@ def run(a: argparse.Namespace) -> int:
     if a.kill is not None or a.stop is not None:
         rank = a.kill if a.kill is not None else a.stop
         info = worker(store, rank, world)
+        if a.after_iteration is not None:
+            if not await_iteration(store, rank, world, a.after_iteration, a.wait):
+                print(f"{PROG}: rank {rank} did not work past iteration {a.after_iteration} "
+                      f"within {a.wait:g} s", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(a.delay_ms / 1e3)
         return 0 if signal_worker(info, signal.SIGKILL if a.kill is not None
                                   else signal.SIGSTOP) else 1
 

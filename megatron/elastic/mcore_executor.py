@@ -12,6 +12,7 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from chameleon_ext.schedule_ir import Op
+from megatron.elastic import optimizer_step
 from megatron.elastic.schedules import Executor, StageRuntime, StepResult, to_device
 
 
@@ -28,12 +29,15 @@ class MegatronCoreExecutor(Executor):
         rt.model.zero_grad_buffer()
         rt.optimizer.zero_grad()
         self._loss_sum.zero_()
+        self._samples = 0
         mbs = rt.plan.pipeline_of(rt.rank).micro_batches
         seq, mbsize, _ = rt.activation_shape
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             batch = to_device(rt.get_batch(iteration, mb)) if (rt.first or rt.last) else None
+            if rt.first and rt.plan.position(rt.rank).tp_rank == 0:
+                self._samples += int(batch["tokens"].shape[0])
             if rt.before_forward:
                 rt.before_forward(iteration, mb)
             out = rt.forward_step(batch, model)
@@ -50,6 +54,7 @@ class MegatronCoreExecutor(Executor):
             num_microbatches=len(mbs), seq_length=seq, micro_batch_size=mbsize,
             forward_only=False)
         self._reduce_grads(None, iteration)
-        loss = self._global_loss()  # same order as the IR executor: loss before the step
-        ok, norm = self._optimizer_step()
-        return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok))
+        # the same step as the IR executor's: prepare, commit, apply
+        (loss, samples), norm = self._commit(iteration, optimizer_step.prepare(rt.optimizer))
+        ok, norm = self._apply_step(norm)
+        return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok), samples=samples)

@@ -51,19 +51,37 @@ class Built:
     shadows: Shadows | None = None    # eager redundancy's copies (held and refreshed)
 
 
-def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
-          model_provider: ModelProvider, optimizer_config: OptimizerConfig,
-          sched: SchedulerSettings, seed: int, tied_embeddings: bool,
-          seq_length: int, get_batch: Callable[[int, int], dict], forward_step, loss_func,
-          timeout: timedelta | None = None, timers=None, executor: str = "ir",
-          compute_clock: ComputeClock | None = None,
-          carried: state_transfer.CarriedState | None = None, eager: bool = False,
-          measure_memory: bool = False) -> Built:
+@dataclass
+class RuntimeSpec:
+    """What every runtime of a job is built from, whatever its plan."""
+
+    config: TransformerConfig
+    model_provider: ModelProvider
+    optimizer_config: OptimizerConfig
+    sched: SchedulerSettings
+    seed: int
+    tied_embeddings: bool
+    seq_length: int
+    get_batch: Callable[[int, int], dict]
+    forward_step: Callable
+    loss_func: Callable
+    timeout: timedelta | None = None   # of the plan's groups' operations (None: torch's default)
+    timers: object | None = None
+    executor: str = "ir"               # or "megatron-core" (its own pipeline schedule)
+    compute_clock: ComputeClock | None = None
+    eager: bool = False                # keep eager redundancy's shadow copies, where planned
+    measure_memory: bool = False       # count the activations autograd keeps (memory_meter)
+
+
+def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
+          carried: state_transfer.CarriedState | None = None,
+          on_transfer: Callable[[], None] | None = None) -> Built:
     """`carried`: this rank's parameters, optimizer state and LR schedule under the plan
     before (after a failure), restored into the new runtime; the layers it did not hold
     come from the peers that do (collective: every rank of the new world passes its state).
-    `eager`: keep eager redundancy's shadow copies, where the plan has them;
-    `measure_memory`: count the activations autograd keeps (memory_meter)."""
+    `on_transfer`: called just before that transfer (failure injection)."""
+    config, seed, tied_embeddings = spec.config, spec.seed, spec.tied_embeddings
+    timeout, timers = spec.timeout, spec.timers
     schedule = choose_schedule(plan)
     split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
     groups = parallel_state.initialize(plan, rank, timeout)
@@ -72,7 +90,7 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
     first, last = plan.is_first_stage(rank), plan.is_last_stage(rank)
 
     cfg = stage_model.stage_config(config, stage)
-    module = model_provider(cfg, first, last)
+    module = spec.model_provider(cfg, first, last)
     stage_model.init_parameters(
         module, seed=seed, layer_offset=stage.layer_start, pre_process=first,
         total_layers=plan.num_layers, init_std=config.init_method_std, tp_rank=pos.tp_rank,
@@ -99,7 +117,8 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
                                                use_distributed_optimizer=False)
     store = wgrad.install(module) if split else None
     model = DistributedDataParallel(cfg, ddp_config, module)
-    optimizer = get_megatron_optimizer(optimizer_config, [model])
+    optimizer = get_megatron_optimizer(spec.optimizer_config, [model])
+    sched = spec.sched
     gbs = plan.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if sched.warmup_iters else sched.lr, max_lr=sched.lr,
@@ -110,24 +129,28 @@ def build(plan: ExecutionPlan, rank: int, *, config: TransformerConfig,
 
     rt = StageRuntime(
         rank=rank, plan=plan, model=model, module=module, optimizer=optimizer,
-        scheduler=scheduler, get_batch=get_batch, forward_step=forward_step, loss_func=loss_func,
-        activation_shape=(seq_length, plan.micro_batch_size, config.hidden_size),
+        scheduler=scheduler, get_batch=spec.get_batch, forward_step=spec.forward_step,
+        loss_func=spec.loss_func,
+        activation_shape=(spec.seq_length, plan.micro_batch_size, config.hidden_size),
         activation_dtype=config.params_dtype,
         embedding_group=groups.embd if tied is not None else None, tied_weight=tied,
         embedding_contributor=groups.embedding_contributor,
-        before_forward=seeder.at if seeder else None, timers=timers, compute_clock=compute_clock, wgrad=store,
-        grad_reduction=reduction)
-    if measure_memory:
+        before_forward=seeder.at if seeder else None, timers=timers,
+        compute_clock=spec.compute_clock, wgrad=store, grad_reduction=reduction,
+        clip_grad=spec.optimizer_config.clip_grad)
+    if spec.measure_memory:
         rt.memory = MemoryMeter(module, first, last)
-    pairs = redundancy.shadow_pairs(plan) if eager else []
+    pairs = redundancy.shadow_pairs(plan) if spec.eager else []
     if pairs:
         rt.shadows = Shadows(rt, tied_embeddings, pairs)
     received = 0
     if carried is not None:
+        if on_transfer:
+            on_transfer()
         received = state_transfer.fetch_missing(
             carried, state_transfer.named_parameters(rt, tied_embeddings))
         state_transfer.restore(carried, rt, tied_embeddings)
-    if executor == "megatron-core":
+    if spec.executor == "megatron-core":
         from megatron.elastic.mcore_executor import MegatronCoreExecutor
         return Built(rt, MegatronCoreExecutor(rt), schedule, forward_only(plan), groups,
                      received)

@@ -12,6 +12,7 @@ are summed (not averaged) over replicas, so the update is the same under every p
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from chameleon_ext import comm
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import COMPUTE, RECV_OF, FusedMessage, Op, OpKind, Schedule
+from megatron.elastic import optimizer_step
 from megatron.elastic.grad_reduction import GradReduction
 from megatron.elastic.wgrad import WeightGradStore
 
@@ -45,6 +47,11 @@ class StepResult:
     loss: float              # global mean loss of the iteration (same on every rank)
     grad_norm: float | None
     update_successful: bool
+    samples: int = 0         # samples the data loader delivered to the world's first stages
+
+
+class StepAborted(RuntimeError):
+    """The step's commit vote failed: no rank applies this iteration's step."""
 
 
 @dataclass
@@ -77,7 +84,14 @@ class StageRuntime:
     tied_weight: torch.nn.Parameter | None = None
     embedding_contributor: bool = True  # adds its tied-embedding gradient in its group
     before_forward: Callable[[int, int], None] | None = None  # (iteration, mb): dropout seeding
-    before_op: Callable[[Op, int], None] | None = None  # (op, iteration): failure injection
+    # (op, iteration): failure injection, progress, a peer's failure seen on the store
+    before_op: Callable[[Op, int], None] | None = None
+    # (iteration): the step's commit vote; True when every rank applies the step (None: the
+    # world's all-reduce before it is the commit, as without a store)
+    commit: Callable[[int], bool] | None = None
+    # (iteration, phase, waiting): progress inside an op (the commit's collective and vote)
+    tick: Callable[[int, str, bool], None] | None = None
+    clip_grad: float = 0.0
     # (op, iteration, seconds it took), inside the op's timer: a slowed rank stretches its ops
     after_op: Callable[[Op, int, float], None] | None = None
     wgrad: WeightGradStore | None = None  # set when the schedule splits backwards
@@ -119,12 +133,14 @@ class Executor:
         self._started = False  # whether the op at _position began (before_op may refuse it)
         self._grads_synced = False
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=_device())
+        self._samples = 0  # delivered to this rank's first-stage forwards in this iteration
 
     def run(self, ops: list[Op], iteration: int) -> StepResult:
         rt = self.rt
         rt.model.zero_grad_buffer()
         rt.optimizer.zero_grad()
         self._loss_sum.zero_()
+        self._samples = 0
         self._sends, self._recvs = self._fused_sends, self._fused_recvs
         self._position, self._started = 0, False  # a failed refresh drains the whole list
         if rt.shadows is not None:
@@ -137,28 +153,25 @@ class Executor:
                 if timer:
                     timer.stop()
         result: tuple = (True, None)
-        loss = float("nan")
+        totals = (float("nan"), 0)
         for self._position, op in enumerate(ops):
             self._started = False
             if rt.before_op:
                 rt.before_op(op, iteration)
             self._started = True
+            timer = rt.timers(TIMER_OF[op.kind], log_level=2) if rt.timers else None
             if op.kind is OpKind.OPT_STEP:
                 self._check_finished()
-                # The loss sum over the world is the iteration's last collective before any
-                # parameter changes: a rank lost before it fails it on every survivor, so no
-                # survivor steps and the iteration can be run again from its start. (Outside
-                # the optimizer's timer: it waits for the slowest rank.)
-                loss = self._global_loss()
-            timer = rt.timers(TIMER_OF[op.kind], log_level=2) if rt.timers else None
+                norm_sq = self._timed(timer, iteration, optimizer_step.prepare, rt.optimizer)
+                # The commit: outside the optimizer's timer (it waits for the slowest rank).
+                totals, norm = self._commit(iteration, norm_sq)
+                result = self._timed(timer, iteration, self._apply_step, norm)
+                continue
             if timer:
                 timer.start()
             began, cpu_began = time.perf_counter(), time.thread_time()
             try:
-                if op.kind is OpKind.OPT_STEP:
-                    result = self._optimizer_step()
-                else:
-                    self._DISPATCH[op.kind](self, op, iteration)
+                self._DISPATCH[op.kind](self, op, iteration)
                 if rt.compute_clock and op.kind in COMPUTE:
                     rt.compute_clock.add(TIMER_OF[op.kind], time.thread_time() - cpu_began)
                 if rt.after_op:
@@ -167,7 +180,50 @@ class Executor:
                 if timer:
                     timer.stop()
         ok, norm = result
-        return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok))
+        loss, samples = totals
+        return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok), samples=samples)
+
+    def _timed(self, timer, iteration: int, fn, *args):
+        rt = self.rt
+        if timer:
+            timer.start()
+        began, cpu_began = time.perf_counter(), time.thread_time()
+        try:
+            out = fn(*args)
+            if rt.compute_clock:
+                rt.compute_clock.add(TIMER_OF[OpKind.OPT_STEP], time.thread_time() - cpu_began)
+            if rt.after_op:
+                rt.after_op(Op(OpKind.OPT_STEP), iteration, time.perf_counter() - began)
+            return out
+        finally:
+            if timer:
+                timer.stop()
+
+    def _commit(self, iteration: int, norm_sq: float) -> tuple[tuple[float, int], float]:
+        """The step's commit point. One all-reduce over the world sums the last stages' losses,
+        the ranks' parts of the squared gradient norm and the samples delivered: the
+        iteration's last collective, after which no rank talks to another before it applies
+        the step. Then the vote (rt.commit): every rank applies the step iff all voted, so a
+        rank lost at any instant leaves the survivors all stepped or all not. Returns ((the
+        global mean loss, samples), the global gradient norm); raises StepAborted."""
+        rt = self.rt
+        if rt.tick:
+            rt.tick(iteration, "commit collective", True)
+        mine = rt.last and rt.plan.position(rt.rank).tp_rank == 0
+        t = torch.tensor([float(self._loss_sum) if mine else 0.0, norm_sq, float(self._samples)],
+                         dtype=torch.float64, device=_device())
+        self._wait_sends()
+        dist.all_reduce(t)
+        loss_sum, total_sq, samples = t.tolist()
+        if rt.commit is not None:
+            if rt.tick:
+                rt.tick(iteration, "commit vote", True)
+            if not rt.commit(iteration):
+                raise StepAborted(f"the step of iteration {iteration + 1} was not committed: a "
+                                  "rank did not vote")
+        if rt.tick:
+            rt.tick(iteration, "optimizer step", False)
+        return (loss_sum / rt.plan.num_micro_batches, round(samples)), math.sqrt(total_sq)
 
     def _check_finished(self) -> None:
         if (self._inputs or self._outputs or self._out_grads or self._in_grads
@@ -309,6 +365,8 @@ class Executor:
         rt = self.rt
         mb = op.microbatch
         batch = to_device(rt.get_batch(iteration, mb)) if (rt.first or rt.last) else None
+        if rt.first and rt.model.training and rt.plan.position(rt.rank).tp_rank == 0:
+            self._samples += int(batch["tokens"].shape[0])
         if rt.before_forward:
             rt.before_forward(iteration, mb)
         rt.module.set_input_tensor(self._inputs.get(mb))
@@ -371,9 +429,8 @@ class Executor:
                 grad.zero_()
             dist.all_reduce(grad, group=rt.embedding_group)
 
-    def _optimizer_step(self) -> tuple:
-        self._wait_sends()
-        ok, grad_norm, _ = self.rt.optimizer.step()
+    def _apply_step(self, grad_norm: float) -> tuple:
+        ok = optimizer_step.apply(self.rt.optimizer, grad_norm, self.rt.clip_grad)
         if ok:
             self.rt.scheduler.step(increment=self.rt.plan.global_batch_size)
         return ok, grad_norm

@@ -52,6 +52,11 @@ def optimizer_state(rt: StageRuntime, tied_embeddings: bool) -> dict[str, dict[s
     return out
 
 
+class StateLost(Exception):
+    """A new plan needs state that no rank holds any more (a planning error, not a failure
+    to retry)."""
+
+
 @dataclass
 class CarriedState:
     """A rank's training state with no reference to any process group or module: what survives
@@ -87,7 +92,7 @@ def fetch_missing(state: CarriedState, needed: dict[str, torch.Tensor]) -> int:
     for dst, (_, missing) in enumerate(offers):
         for name in missing:
             if name not in holder:
-                raise RuntimeError(f"rank {dst} needs {name}, which no surviving rank holds")
+                raise StateLost(f"rank {dst} needs {name}, which no surviving rank holds")
             pairs.setdefault((holder[name], dst), []).append(name)
     if not pairs:
         return 0
@@ -181,8 +186,17 @@ def restore(state: CarriedState, rt: StageRuntime, tied_embeddings: bool) -> Non
     rt.scheduler.load_state_dict(state.scheduler)
 
 
-def parameter_digests(rt: StageRuntime, tied_embeddings: bool) -> dict[str, str]:
-    """sha256 of each parameter's bytes, by global name: replicas must agree bit for bit."""
+def state_digests(rt: StageRuntime, tied_embeddings: bool) -> dict[str, str]:
+    """sha256 of each parameter's bytes and of each of its optimizer-state tensors (Adam's
+    moments and step), by global name ("name" and "name#exp_avg", ...): replicas must agree
+    bit for bit."""
     import hashlib
-    return {name: hashlib.sha256(p.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
-            for name, p in named_parameters(rt, tied_embeddings).items()}
+
+    def digest(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+    out = {name: digest(p) for name, p in named_parameters(rt, tied_embeddings).items()}
+    for name, opt in optimizer_state(rt, tied_embeddings).items():
+        out.update({f"{name}#{k}": digest(v) for k, v in opt.items()
+                    if isinstance(v, torch.Tensor)})
+    return out

@@ -141,11 +141,20 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--chameleon-inject", action="append", default=[], metavar="SPEC",
                    help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward (repeatable; "
                         "kinds kill, exit, hang, slow; phases forward, backward, grad-reduce, "
-                        "optimizer, between-iterations)")
+                        "optimizer, commit, between-iterations, checkpoint, eval, shutdown, "
+                        "recovery, rebuild, transfer)")
     g.add_argument("--chameleon-comm-timeout", type=float, default=5.0,
                    help="seconds a training collective or point-to-point may wait before it is "
                         "taken as a failure (with --chameleon); a false alarm costs one re-run "
                         "iteration")
+    g.add_argument("--chameleon-progress-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a rank whose progress (iteration, op) stalls this long while its peers "
+                        "wait is reported hung and killed by its agent, even with a live "
+                        "heartbeat (default: 10 x the median iteration time, at least the "
+                        "launcher's --heartbeat-timeout)")
+    g.add_argument("--chameleon-save-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long a checkpoint save or load may wait for its slowest rank, and "
+                        "go without progress, before a rank is taken as lost")
     g.add_argument("--chameleon-executor", choices=("ir", "megatron-core"), default="ir",
                    help="who runs each iteration: the schedule-IR executor, or megatron-core's own "
                         "pipeline schedule on the same model and data (homogeneous plans only; "
@@ -241,6 +250,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         except FaultSpecError as e:
             raise ArgumentError(f"--chameleon-inject {spec!r}: {e}") from None
     need(args.chameleon_comm_timeout > 0, "--chameleon-comm-timeout must be positive")
+    need(args.chameleon_progress_timeout is None or args.chameleon_progress_timeout > 0,
+         "--chameleon-progress-timeout must be positive")
+    need(args.chameleon_save_timeout > 0, "--chameleon-save-timeout must be positive")
+    need(not (args.chameleon and args.fp16),
+         "--chameleon does not take --fp16: its dynamic loss scaler is updated before the "
+         "step's commit point, so a re-run step would update it twice (use --bf16)")
     need(args.chameleon_join_timeout > 0, "--chameleon-join-timeout must be positive")
     need(args.chameleon_mtbf is None or args.chameleon_mtbf > 0,
          "--chameleon-mtbf must be positive (hours)")

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from megatron.elastic import state_transfer
 from megatron.elastic.schedules import StageRuntime
@@ -53,16 +57,25 @@ def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool) -
     return sd
 
 
-def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, meta: dict) -> Path:
+def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, meta: dict,
+         timeouts: tuple[float, float] | None = None,
+         written: Callable[[], None] | None = None) -> Path:
+    """Collective. `timeouts`: how long its collectives may wait for the slowest writer, and
+    the world group's timeout to go back to (None: the group's own, throughout); `written`:
+    called once this rank's part is written, before the checkpoint is named (failure
+    injection)."""
     final = _dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(tmp))
-    dist.barrier()
+    with _world_timeout(timeouts):
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        dcp.save(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(tmp))
+        if written:
+            written()
+        dist.barrier()
     if rank0:
         full_meta = {**meta, "iteration": iteration, "scheduler": rt.scheduler.state_dict()}
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1, sort_keys=True))
@@ -73,8 +86,26 @@ def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, 
         t = tracker.with_suffix(".tmp")
         t.write_text(str(iteration))
         t.replace(tracker)
-    dist.barrier()
+    # No barrier after the tracker: a rank lost here cannot undo a checkpoint that is complete
+    # and named, and the job's next collective finds the loss anyway.
     return final
+
+
+@contextmanager
+def _world_timeout(timeouts: tuple[float, float] | None):
+    """The world group's operations wait up to timeouts[0] seconds for the duration, and
+    timeouts[1] after it: a save or load can take far longer than a training step's
+    collectives are allowed to (None: the group's own timeout throughout)."""
+    if timeouts is None:
+        yield
+        return
+    during, after = timeouts
+    _set_pg_timeout(timedelta(seconds=during), dist.group.WORLD)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            _set_pg_timeout(timedelta(seconds=after), dist.group.WORLD)
 
 
 def latest_iteration(root: str) -> int | None:
@@ -90,9 +121,11 @@ def latest_iteration(root: str) -> int | None:
     return it
 
 
-def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict) -> dict | None:
-    """Load the latest checkpoint under `root` into the runtime; returns its meta, or None if
-    there is none. `expect` holds model settings that must match the checkpoint's."""
+def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
+         timeouts: tuple[float, float] | None = None) -> dict | None:
+    """Load the latest checkpoint under `root` into the runtime (collective); returns its meta,
+    or None if there is none. `expect` holds model settings that must match the
+    checkpoint's; `timeouts` as for save."""
     it = latest_iteration(root)
     if it is None:
         return None
@@ -101,6 +134,7 @@ def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict) ->
     for k, v in expect.items():
         if meta.get(k) != v:
             raise CheckpointError(f"checkpoint {d} has {k}={meta.get(k)!r}, this run has {v!r}")
-    dcp.load(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(d))
+    with _world_timeout(timeouts):
+        dcp.load(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(d))
     rt.scheduler.load_state_dict(meta["scheduler"])
     return meta

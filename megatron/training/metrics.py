@@ -10,7 +10,8 @@ from pathlib import Path
 
 class MetricsFile:
     """--chameleon-metrics-file: one JSON event per line, flushed per line so a killed job leaves
-    only whole lines. The format is in shared/ARCHITECTURE.md."""
+    only whole lines; each event carries its wall time (`time`). The format is in
+    docs/ARCHITECTURE.md."""
 
     def __init__(self, path: str | None) -> None:
         self._path = path
@@ -24,7 +25,8 @@ class MetricsFile:
         if self._f is None:
             Path(self._path).parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self._path, "a", buffering=1)
-        self._f.write(json.dumps({"event": event, **fields}) + "\n")
+        self._f.write(json.dumps({"event": event, **fields, "time": round(time.time(), 3)})
+                      + "\n")
 
     def close(self) -> None:
         if self._f:

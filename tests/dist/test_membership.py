@@ -303,3 +303,87 @@ def test_detection_is_timed_from_the_death_to_the_first_notice(store_addr):
     victim = mb.Membership(store, 2, 3, 5.0)
     victim.announce_death()
     assert abs(a.death_time(2, rec) - time.time()) < 5
+
+
+@pytest.mark.timeout(30)
+def test_a_step_commits_only_with_every_vote(store):
+    """The step's vote: all three ranks vote, all commit; in the next iteration rank 2 dies
+    before voting, so the two that voted read "abort", also after the fact."""
+    ms = {r: mb.Membership(_client(store), r, 3, heartbeat_timeout=30) for r in range(3)}
+    out = _run_threads({r: (lambda r=r: ms[r].commit(1, 7, [0, 1, 2], timeout_s=10))
+                        for r in range(3)})
+    assert out == {0: True, 1: True, 2: True}
+    ms[0].report_failure(2, "signal", "SIGKILL")
+    out = _run_threads({r: (lambda r=r: ms[r].commit(1, 8, [0, 1, 2], timeout_s=10))
+                        for r in (0, 1)})
+    assert out == {0: False, 1: False}
+    # a late vote cannot turn the decision: it is written once
+    assert ms[2].commit(1, 8, [0, 1, 2], timeout_s=1) is False
+
+
+@pytest.mark.timeout(30)
+def test_a_vote_aborts_when_a_peer_gives_up_on_the_world(store):
+    """A rank whose collective failed goes into recovery without voting (it notices the
+    broken world): the voters abort at once instead of waiting out their timeout."""
+    ms = {r: mb.Membership(_client(store), r, 2, heartbeat_timeout=30) for r in range(2)}
+    ms[1].notice(2)
+    t0 = time.monotonic()
+    assert ms[0].commit(1, 3, [0, 1], timeout_s=20) is False
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(30)
+def test_the_agreement_proves_the_survivors_applied_the_same_steps(store):
+    ms = {r: mb.Membership(_client(store), r, 3, heartbeat_timeout=30) for r in range(3)}
+    out = _run_threads({r: (lambda r=r: ms[r].agree(1, [0, 1, 2], timeout_s=5, iteration=9))
+                        for r in range(3)})
+    assert all(ag.iteration == 9 for ag in out.values())
+    out = _run_threads({r: (lambda r=r: ms[r].agree(2, [0, 1, 2], timeout_s=2,
+                                                    iteration=9 + (r == 2)))
+                        for r in range(3)})
+    assert isinstance(out[0], mb.DivergedSteps), out
+    assert "{0: 9, 1: 9, 2: 10}" in str(out[0])
+
+
+def _rendezvous(rank: int, port: int, world: int, queue) -> None:
+    import torch
+    store = mb.connect_store(f"127.0.0.1:{port}", timeout_s=30)
+    m = mb.Membership(store, rank, world, heartbeat_timeout=30)
+    ag = mb.Agreement(1, list(range(world)), [], 0)
+    t0 = time.monotonic()
+    try:
+        mb.rebuild_world(store, ag, rank, "gloo", timeout_s=20, members=m)
+        t = torch.ones(2) * (rank + 1)
+        dist.all_reduce(t)
+        queue.put((rank, "ok", t.tolist(), time.monotonic() - t0))
+        dist.destroy_process_group()
+    except mb.PeerLost as e:
+        queue.put((rank, "lost", str(e), time.monotonic() - t0))
+
+
+@pytest.mark.timeout(60)
+def test_a_rendezvous_gives_up_at_once_when_a_member_is_lost(store):
+    """Two of three ranks build a world on the job's store; the third is reported failed
+    instead of arriving: both give up within a second, not after the 20 s timeout. The same
+    rendezvous with every rank present builds a working world."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rendezvous, args=(r, store.port, 2, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    ok = sorted(queue.get(timeout=40) for _ in procs)
+    assert [(r, what, t) for r, what, t, _ in ok] == [(0, "ok", [3.0, 3.0]), (1, "ok", [3.0, 3.0])]
+    for p in procs:
+        p.join(10)
+    store2 = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
+                           wait_for_workers=False)
+    procs = [ctx.Process(target=_rendezvous, args=(r, store2.port, 3, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)
+    mb.Membership(store2, None, 3).report_failure(2, "signal", "SIGKILL")
+    lost = sorted(queue.get(timeout=40) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert [what for _, what, _, _ in lost] == ["lost", "lost"], lost
+    assert all("rank(s) [2]" in msg and elapsed < 10 for _, _, msg, elapsed in lost), lost

@@ -1,0 +1,156 @@
+"""The leader's choice at a reconfiguration: which plan the new world runs, and why.
+
+Only the agreement's leader decides; the others read its published `Verdict`. The planner
+(chameleon_ext.planner) ranks every strategy's candidate with the live profile under `auto`
+(and predicts `reparallelize`'s mixes and `reroute+restart`'s hybrid); a forced strategy
+takes its own plan where it absorbs the failure, else `restart`, and is still predicted when
+there is a profile, so the log shows predicted beside measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from chameleon_ext import planner
+from chameleon_ext.decision import Decision, Switch, Verdict
+from chameleon_ext.perf_model import Profile
+from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.planner import Situation
+from chameleon_ext.strategies.redundancy import shadow_pairs
+from chameleon_ext.strategies.rejoin import overlay
+from chameleon_ext.strategies.reparallelize import reparallelize
+from chameleon_ext.strategies.reroute import reroute
+from chameleon_ext.strategies.restart import restart_plan
+from chameleon_ext.strategies.takeover import takeover
+
+
+@dataclass
+class Planning:
+    """What the leader predicts with: the live profile (`profile(plan, launch_ranks)`:
+    calibrated under `plan`, or None) and the job's situation at the interrupted iteration."""
+
+    profile: Callable[[ExecutionPlan, list[int]], Profile | None]
+    situation: Callable[[int], Situation]
+
+
+@dataclass
+class Decider:
+    strategy: str = "auto"              # --chameleon-strategy
+    eager: bool = False                 # --chameleon-redundancy eager: takeover by holders
+    planning: Planning | None = None
+    target: ExecutionPlan | None = None  # the failure-free plan: where a rejoin goes back to
+
+    def after_failure(self, plan: ExecutionPlan, launch_ranks: list[int], lost: set[int],
+                      iteration: int) -> Verdict:
+        """The plan over the survivors of `plan` (whose rank r is launch rank
+        launch_ranks[r]) without the ranks `lost`, after a failure during `iteration`."""
+        return self._after_failure(plan, lost, iteration, self._profile(plan, launch_ranks))
+
+    def _after_failure(self, plan: ExecutionPlan, lost: set[int], iteration: int,
+                       profile: Profile | None) -> Verdict:
+        survivors = plan.world_size - len(lost)
+        if not state_survives(plan, lost, self.eager):
+            # Every holder of some layer is gone: only a checkpoint has it.
+            new = restart_plan(plan, survivors)
+            if new is None:
+                return self._none(lost, survivors)
+            return Verdict(self._forced("restart", new, plan, lost, profile))
+        if self.strategy in ("auto", "reroute+restart", "reparallelize") and profile is not None:
+            ranked = planner.candidates(plan, lost, profile, self.planning.situation(iteration),
+                                        planner.STRATEGIES if self.strategy == "auto"
+                                        else (self.strategy,))
+            best = planner.choose(ranked)
+            if best is not None:
+                return Verdict(Decision(
+                    best.strategy, best.plan, best.iteration_ms,
+                    None if best.switch is None else Switch(
+                        best.switch.strategy, best.switch.at_iteration, best.switch.plan,
+                        best.switch.iteration_ms),
+                    [c.summary() for c in ranked], profile.source))
+            if self.strategy == "auto":
+                return self._none(lost, survivors)
+        new, strategy = self._forced_plan(plan, lost, profile)
+        if new is None or new.world_size != survivors:
+            new, strategy = restart_plan(plan, survivors), "restart"
+        if new is None:
+            return self._none(lost, survivors)
+        return Verdict(self._forced(strategy, new, plan, lost, profile))
+
+    def for_switch(self, switch: Switch, plan: ExecutionPlan, launch_ranks: list[int],
+                   lost: set[int], iteration: int) -> Verdict:
+        """A hybrid's planned second step, as planned when nobody was lost meanwhile."""
+        if lost:
+            return self.after_failure(plan, launch_ranks, lost, iteration + 1)
+        return Verdict(Decision(switch.strategy, switch.plan, switch.predicted_iter_ms))
+
+    def for_admission(self, plan: ExecutionPlan, launch_ranks: list[int], grown: list[int],
+                      iteration: int, scheduler: dict, consumed: int) -> Verdict:
+        """The failure-free plan laid over the grown world (launch ranks `grown`: the stayers
+        of `plan` and the joiners), each stayer on the layers it holds; with fewer ranks than
+        that plan, the places nobody takes are absorbed by the strategy as if they had
+        failed. The joiners take `scheduler`, the LR schedule's state, and `consumed`, the
+        samples count."""
+        members = [launch_ranks.index(r) if r in launch_ranks else None for r in grown]
+        new, lost = overlay(self.target, plan, members)
+        profile = self._profile(plan, launch_ranks)   # measured under the plan running now
+        verdict = self._after_failure(new, lost, iteration, profile) if lost else \
+            Verdict(self._forced("rejoin", new, new, set(), profile))
+        if verdict.decision is not None:
+            verdict.decision.scheduler = scheduler
+            verdict.decision.consumed_samples = consumed
+            verdict.decision.joined = [r for r in grown if r not in launch_ranks]
+        return verdict
+
+    def _profile(self, plan: ExecutionPlan, launch_ranks: list[int]) -> Profile | None:
+        return self.planning.profile(plan, launch_ranks) if self.planning else None
+
+    def _forced_plan(self, plan: ExecutionPlan, lost: set[int], profile: Profile | None
+                     ) -> tuple[ExecutionPlan | None, str]:
+        """The forced strategy's own plan (before any calibration, auto and the hybrid
+        reroute; reparallelize balances layers by count)."""
+        if self.strategy in ("reroute", "auto", "reroute+restart"):
+            return reroute(plan, lost, profile.rank_slowdown if profile else None), "reroute"
+        if self.strategy == "takeover":
+            return takeover(plan, lost, None if profile is None else
+                            lambda n, first, last: planner.stage_cost_ms(profile, n, first, last),
+                            self.eager), "takeover"
+        if self.strategy == "reparallelize":
+            return reparallelize(plan, lost, lambda n, first, last: float(n),
+                                 lambda layers, d: [layers // d + (i < layers % d)
+                                                    for i in range(d)]), "reparallelize"
+        return None, "restart"
+
+    def _forced(self, strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
+                profile: Profile | None) -> Decision:
+        decision = Decision(strategy, new)
+        if profile is not None:
+            ranked = planner.predicted(strategy, new, plan, lost, profile, self.eager)
+            decision.predicted_iter_ms = ranked.iteration_ms
+            decision.candidates, decision.profile = [ranked.summary()], profile.source
+        return decision
+
+    @staticmethod
+    def _none(lost: set[int], survivors: int) -> Verdict:
+        return Verdict(unrecoverable=f"lost rank(s) {sorted(lost)}: no plan fits the "
+                                     f"{survivors} survivor(s), not even one pipeline")
+
+
+def state_survives(plan: ExecutionPlan, lost: set[int], eager: bool) -> bool:
+    """Whether the survivors of `plan` still hold every layer's state (each tensor-parallel
+    shard of it): on their own stages, or as eager redundancy's shadow copies."""
+    held: set[tuple[int, int]] = set()
+
+    def hold(rank: int) -> None:
+        st, t = plan.stage_of(rank), plan.position(rank).tp_rank
+        held.update((layer, t) for layer in range(st.layer_start, st.layer_end))
+
+    for r in plan.ranks:
+        if r not in lost:
+            hold(r)
+    if eager:
+        for owner, holder in shadow_pairs(plan):
+            if holder not in lost:
+                hold(owner)
+    return all((layer, t) in held for layer in range(plan.num_layers)
+               for t in range(plan.tensor_parallel))

@@ -1,0 +1,461 @@
+"""The elastic side of a training job under chameleon-launch (`--chameleon`): torchft's Manager
+for this stack.
+
+The training loop talks to it in two places. In a step: `before_op` (failure injection,
+progress, a peer's failure seen on the store) and `commit` (the step's vote: every rank
+applies the optimizer step of an iteration or none does). Between steps: `reconfigure`, the one
+reconfiguration transaction that a failure (in a step, a checkpoint save, an evaluation, the
+shutdown's reports), a hybrid's planned switch and an admission of rejoining ranks all go
+through:
+
+    capture the state (the caller's) -> leave the world -> agree on the store on who is alive
+    (and that everyone applied the same steps) -> the leader chooses the plan and publishes it
+    -> build the new world (its rendezvous gives up as soon as a participant is lost) -> move
+    the state (the caller's `enter`: runtime, state transfer or checkpoint, first collective)
+
+A failure at any point of it abandons that generation: everyone agrees again one generation up,
+with whoever is left, as many times as needed. Every wait is bounded (`ElasticConfig`), and a
+survivor that the chosen plan leaves out stays a spare until the new world is committed (it
+joins a retry if there is one). The caller's state is captured once, before the first attempt,
+and entered afresh by every attempt.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from chameleon_ext import membership
+from chameleon_ext.decision import Decision, Switch, Verdict
+from chameleon_ext.faults import Injector
+from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.schedule_ir import Op, OpKind
+from megatron.elastic import parallel_state
+from megatron.elastic.deciding import Decider
+
+PHASE_OF = {OpKind.FWD: "forward", OpKind.BWD: "backward", OpKind.BWD_INPUT: "backward",
+            OpKind.BWD_WEIGHT: "backward", OpKind.REDUCE_GRADS: "grad-reduce",
+            OpKind.OPT_STEP: "optimizer"}
+# Ops during which a rank waits on its peers: a hang's victims, never its cause.
+WAITING_OPS = (OpKind.RECV_FWD, OpKind.RECV_BWD, OpKind.REDUCE_GRADS)
+
+
+class Unrecoverable(RuntimeError):
+    """No plan over the survivors can continue in-process; the message says why."""
+
+
+class PeerFailed(RuntimeError):
+    """A peer's failure is on the store: stop computing an iteration that cannot complete."""
+
+
+class NotNeeded(RuntimeError):
+    """The new plan has no place for this rank (a restart plan smaller than the survivors)."""
+
+
+@dataclass
+class ElasticConfig:
+    """The bounds of every wait (seconds), and the policies.
+
+    `agree_timeout_s` bounds each wait on the store of a reconfiguration (the agreement, the
+    leader's plan, the barrier before the new world, its rendezvous): a live survivor arrives
+    within the time its current collective takes to fail (`comm_timeout_s`) plus one recovery,
+    so 60 s leaves a loaded host an order of magnitude of slack. `comm_timeout_s` bounds every
+    operation of a world's groups (--chameleon-comm-timeout): a peer that stays silent longer
+    is taken as lost. `progress_timeout_s` is how long a rank may go without progress in a step
+    (an op, a phase of a save) while peers wait before its agent takes it for a hung rank
+    (--chameleon-progress-timeout; None: max(heartbeat timeout, 10 x the median iteration
+    measured so far)). `save_timeout_s` bounds the operations of a checkpoint save or load and
+    the progress of its phases: writing a shard may take far longer than any op."""
+
+    backend: str = "gloo"
+    strategy: str = "auto"
+    eager: bool = False
+    agree_timeout_s: float = 60.0
+    comm_timeout_s: float = 5.0
+    progress_timeout_s: float | None = None
+    save_timeout_s: float = 300.0
+
+
+@dataclass
+class Failure:
+    """A failure noticed during `iteration` (1-based; the one interrupted or, outside a step,
+    the next one) at `noticed` (time.time())."""
+
+    iteration: int
+    noticed: float
+    error: str
+    during: str = "step"     # step, checkpoint, eval, shutdown, startup
+
+
+@dataclass
+class PlannedSwitch:
+    """A hybrid's second step, after the checkpoint of `switch.at_iteration`."""
+
+    switch: Switch
+
+
+@dataclass
+class Admission:
+    """The joiners of the due admission, after `iteration`; `scheduler` and `consumed`: the LR
+    schedule's state and the samples count they take."""
+
+    iteration: int
+    scheduler: dict
+    consumed: int
+
+
+Trigger = Failure | PlannedSwitch | Admission
+
+
+@dataclass
+class Entered:
+    """What the caller's `enter` made of a decision: the last iteration whose step the new
+    world's state holds, and the bytes of state that moved to reach it."""
+
+    applied: int
+    moved_bytes: int
+
+
+@dataclass
+class Transition:
+    """A committed reconfiguration."""
+
+    decision: Decision
+    rank: int
+    entered: Entered
+    failed: list[int]                 # launch ranks lost since the last committed world
+    causes: dict[int, str]
+    detect_ms: float | None           # death -> first noticed (by a survivor or the agent)
+    first_notice: float               # time.time() it was first noticed, or the transition began
+    old_generation: int
+    attempts: int                     # generations tried (1 when nothing failed meanwhile)
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        return self.decision.plan
+
+
+@dataclass
+class ElasticManager:
+    config: ElasticConfig
+    injector: Injector = field(default_factory=lambda: Injector([], 0))
+    decider: Decider = field(default_factory=Decider)
+
+    def __post_init__(self) -> None:
+        self.store = membership.connect_store()
+        self.members = membership.Membership.from_env(self.store)
+        self.launch_rank = self.members.rank
+        # A restarted worker (chameleon-launch --max-restarts) joins a running job: its world
+        # is known once it is admitted.
+        self.joining = os.environ.get(membership.JOIN_ENV) == "1"
+        self.alive = [] if self.joining else list(range(self.members.world_size))
+        self.generation = 0
+        self.applied = 0                # the last iteration whose step this rank applied
+        self.admissions = 0             # admissions of joiners so far (membership key layout)
+        self.admitted: set[int] = set()
+        self.peer_failed = threading.Event()
+        self.placeholders: list = []    # a drain's sends, kept until their group is gone
+        self._alive_lock = threading.Lock()  # no stale failure may flag the next generation
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    @classmethod
+    def available(cls) -> bool:
+        return bool(os.environ.get(membership.STORE_ENV))
+
+    def start(self) -> None:
+        """Heartbeats and progress on the store, and the failure watcher."""
+        self.members.start_heartbeat()
+        self.injector.announce = self.members.announce_death
+        self.tick(0, "start")
+        self._watcher = threading.Thread(target=self._watch, name="chameleon-failure-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self, interval_s: float = 0.02) -> None:
+        """A rank busy computing would notice a peer's death only at its next communication
+        with the dead one's group, possibly after the rest of the doomed iteration; the watcher
+        (its own store connection) lets it stop at the next op instead."""
+        members = membership.Membership.from_env(membership.connect_store())
+        while not self._stopping.wait(interval_s):
+            try:
+                failed = members.failures()
+            except (RuntimeError, OSError):  # the store is going away with the job
+                return
+            with self._alive_lock:
+                if any(r in failed for r in self.alive if r != self.launch_rank):
+                    self.peer_failed.set()
+
+    # ---- in a step ---------------------------------------------------------------------------
+    def progress_allowance(self, iteration_ms: list[float]) -> float:
+        """How long a step's phase may go without progress while peers wait."""
+        if self.config.progress_timeout_s is not None:
+            return self.config.progress_timeout_s
+        if len(iteration_ms) < 3:   # first iterations warm up: nothing typical measured yet
+            return max(self.members.heartbeat_timeout, 60.0)
+        recent = sorted(iteration_ms[-10:])
+        return max(self.members.heartbeat_timeout, 10.0 * recent[len(recent) // 2] / 1e3)
+
+    def tick(self, iteration: int, phase: str, waiting: bool = False,
+             allow_s: float | None = None) -> None:
+        self.members.tick(iteration, phase, waiting, allow_s)
+
+    def before_op(self, op: Op, iteration: int) -> None:
+        self.members.tick(iteration + 1, op.kind.value, op.kind in WAITING_OPS)
+        phase = PHASE_OF.get(op.kind)
+        if phase:
+            self.injector.maybe_fire(iteration + 1, phase)
+        if self.peer_failed.is_set():
+            raise PeerFailed(f"a peer's failure is on the store (before {op})")
+
+    def commit(self, iteration: int) -> bool:
+        """The vote on the step of `iteration` (0-based, the executor's): True when every
+        rank of this world applies it."""
+        ok = self.members.commit(self.generation, iteration + 1, self.alive,
+                                 self.config.comm_timeout_s)
+        self.injector.maybe_fire(iteration + 1, "commit")
+        if ok and self.launch_rank == self.alive[0] and iteration > 0:
+            self.members.forget_commit(self.generation, iteration)
+        return ok
+
+    def lost_ranks(self, wait_s: float = 1.0) -> set[int]:
+        """Current ranks reported failed on the store, waiting up to `wait_s` for a first
+        report (the agent writes one within milliseconds of an exit; a hang has none yet)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            failed = self.members.failures()
+            lost = {i for i, r in enumerate(self.alive) if r in failed}
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.005)
+
+    def notice(self) -> float:
+        """Called the moment this rank sees its world break; returns the time (time.time())."""
+        now = time.time()
+        self.members.notice(self.generation + 1, now)
+        return now
+
+    # ---- the reconfiguration transaction -----------------------------------------------------
+    def reconfigure(self, trigger: Trigger, plan: ExecutionPlan,
+                    enter: Callable[[Decision, int, int | None], Entered]) -> Transition:
+        """Move the job from `plan` (the committed world's) to the plan the leader chooses for
+        `trigger`, retrying one generation up whenever a rank is lost meanwhile. `enter(decision,
+        rank, agreed)` builds this rank's part of the new world (`agreed`: the last iteration
+        every survivor applied) and ends with a collective over it;
+        it is called once per attempt and may raise RuntimeError (a peer lost), after which it
+        is called again in a later generation. Raises Unrecoverable, NotNeeded (this rank
+        leaves: the committed plan has no place for it) or MembershipError."""
+        if isinstance(trigger, Failure):
+            first_notice = self.members.notice(self.generation + 1, trigger.noticed)
+            iteration = trigger.iteration
+        else:
+            first_notice = time.time()
+            iteration = self.applied
+        candidates = list(self.alive)
+        if isinstance(trigger, Admission):
+            record = self.members.admission(self.admissions)
+            candidates = sorted(set(candidates) | set(record["joiners"]))
+            if self.launch_rank == min(self.alive):
+                for r in record["joiners"]:
+                    self.members.admit(r, self.generation + 1, candidates, self.admissions)
+            self.admissions += 1
+            self.admitted.update(record["joiners"])
+
+        def decide(ag: membership.Agreement) -> Verdict:
+            lost = {i for i, r in enumerate(self.alive) if r not in ag.alive}
+            if isinstance(trigger, Admission):
+                return self.decider.for_admission(plan, self.alive, ag.alive, iteration,
+                                                  trigger.scheduler, trigger.consumed)
+            if isinstance(trigger, PlannedSwitch):
+                return self.decider.for_switch(trigger.switch, plan, self.alive, lost, iteration)
+            return self.decider.after_failure(plan, self.alive, lost, iteration)
+
+        return self._transact(self.generation + 1, candidates, decide, enter, iteration,
+                              first_notice)
+
+    def join(self, enter: Callable[[Decision, int, int | None], Entered], timeout_s: float) -> Transition:
+        """A restarted or new rank: ask to join, wait for the admission, enter the world."""
+        self.members.request_join()
+        admit = self.members.admitted_to(timeout_s)
+        if admit is None:
+            raise Unrecoverable(f"launch rank {self.launch_rank} asked to join and was not "
+                                f"admitted within {timeout_s:g} s")
+        self.admissions = admit["admission"] + 1
+        self.alive = [r for r in admit["candidates"] if r != self.launch_rank]
+        self.admitted = set(admit["candidates"])
+        self.applied = None  # nothing applied here yet: the stayers' steps are the truth
+
+        def decide(ag: membership.Agreement) -> Verdict:
+            # A joiner leads only when every rank that stayed is gone: nobody holds the state.
+            return Verdict(unrecoverable="every rank holding the model's state was lost while "
+                                         "ranks were being admitted")
+
+        return self._transact(admit["generation"], admit["candidates"], decide, enter, 0,
+                              time.time())
+
+    def _transact(self, generation: int, candidates: list[int],
+                  decide: Callable[[membership.Agreement], Verdict],
+                  enter: Callable[[Decision, int, int | None], Entered], iteration: int,
+                  first_notice: float) -> Transition:
+        causes: dict[int, str] = {}
+        committed_alive, old_generation = list(self.alive), self.generation
+        attempts = fruitless = 0
+        while True:
+            attempts += 1
+            self._leave_world()
+            self.tick(iteration, f"agreement of generation {generation}", waiting=True)
+            ag = self.members.agree(generation, candidates, self.config.agree_timeout_s,
+                                    iteration=self.applied)
+            causes.update(ag.causes)
+            decision = self._verdict(ag, decide)
+            if decision is None:            # the leader died before publishing: again, up one
+                generation, candidates = self.members.abandon(ag.generation), \
+                    [r for r in ag.alive if r != ag.leader]
+                continue
+            participants = ag.alive[:decision.plan.world_size]
+            if self.launch_rank not in participants:
+                # A spare: it leaves once the new world holds the state, or joins a retry.
+                self.tick(iteration, f"spare in generation {ag.generation}", waiting=True)
+                retry = self.members.outcome(ag.generation, self.config.agree_timeout_s)
+                if retry is None:
+                    raise NotNeeded(f"the {decision.strategy} plan uses {len(participants)} of "
+                                    f"the survivors; launch rank {self.launch_rank} is not "
+                                    "among them")
+                generation, candidates = retry, ag.alive
+                continue
+            try:
+                entered, rank = self._enter(ag, participants, decision, enter, iteration)
+            except (RuntimeError, membership.MembershipError) as e:
+                if isinstance(e, (Unrecoverable, membership.DivergedSteps,
+                                  membership.AgreementTimeout)):
+                    raise
+                generation = self.members.abandon(ag.generation)
+                self._leave_world()
+                failed = self._failed_meanwhile(participants)
+                print(f"[chameleon] launch rank {self.launch_rank}: generation "
+                      f"{ag.generation} abandoned ({_first_line(e)}); lost meanwhile: "
+                      f"{failed or 'none seen yet'}; agreeing again as generation {generation}",
+                      flush=True)
+                # An attempt that failed with nobody lost (a false alarm of a timeout on a
+                # loaded host) is tried again; the same failure three times over is a fault of
+                # the plan, not of a rank.
+                fruitless = 0 if failed else fruitless + 1
+                if fruitless >= 3:
+                    raise Unrecoverable(f"the world of the {decision.strategy} plan could not "
+                                        f"be built {fruitless} times with no rank lost: "
+                                        f"{_first_line(e)}") from None
+                candidates = [r for r in ag.alive if r not in failed]
+                continue
+            break
+        if rank == 0:
+            self.members.committed(ag.generation)
+        with self._alive_lock:
+            self.generation, self.alive = ag.generation, participants
+            self.peer_failed.clear()
+        self.applied = entered.applied
+        failed = [r for r in committed_alive if r not in ag.alive]
+        records = self.members.failures()
+        # From the death to its first sign anywhere: a survivor's failed op, or the record.
+        detect = [min(first_notice, records[r].time) - self.members.death_time(r, records[r])
+                  for r in failed if r in records]
+        return Transition(decision, rank, entered, failed,
+                          {r: causes.get(r, "failed") for r in failed},
+                          1e3 * max(detect) if detect else None, first_notice, old_generation,
+                          attempts)
+
+    def _verdict(self, ag: membership.Agreement,
+                 decide: Callable[[membership.Agreement], Verdict]) -> Decision | None:
+        """The leader decides and publishes; everyone returns the published decision (None
+        when the leader was lost before publishing)."""
+        if ag.leader == self.launch_rank:
+            self.members.publish(ag.generation, "plan", decide(ag).to_json())
+        try:
+            text = self.members.read(ag.generation, "plan", self.config.agree_timeout_s,
+                                     publisher=ag.leader)
+        except membership.PublishTimeout:
+            return None
+        verdict = Verdict.from_json(text)
+        if verdict.decision is None:
+            raise Unrecoverable(verdict.unrecoverable)
+        return verdict.decision
+
+    def _enter(self, ag: membership.Agreement, participants: list[int], decision: Decision,
+               enter: Callable[[Decision, int, int | None], Entered], iteration: int
+               ) -> tuple[Entered, int]:
+        """Build the world of `participants` and enter `decision` in it (one attempt)."""
+        self.injector.maybe_fire(iteration, "recovery")
+        self.tick(iteration, f"barrier of generation {ag.generation}", waiting=True)
+        gone = self.members.ready(ag.generation, participants, self.config.agree_timeout_s)
+        if gone:
+            raise membership.PeerLost(f"rank(s) {gone} lost before generation "
+                                      f"{ag.generation}'s world was built")
+        world = membership.Agreement(ag.generation, participants, ag.failed, ag.leader,
+                                     ag.causes, ag.iteration)
+        self.tick(iteration, f"rendezvous of generation {ag.generation}", waiting=True)
+        rank = membership.rebuild_world(self.store, world, self.launch_rank, self.config.backend,
+                                        self.config.agree_timeout_s, members=self.members)
+        # The world's own operations (loss sum, state transfer, commit) wait no longer than
+        # any group's; its rendezvous above had the reconfiguration's bound.
+        _set_pg_timeout(timedelta(seconds=self.config.comm_timeout_s), dist.group.WORLD)
+        self.injector.maybe_fire(iteration, "rebuild")
+        decision.plan.generation = ag.generation    # one generation count: the membership's
+        self.tick(iteration, f"entering generation {ag.generation}", waiting=True)
+        return enter(decision, rank, ag.iteration), rank
+
+    def _failed_meanwhile(self, ranks: list[int]) -> list[int]:
+        """The ranks among `ranks` reported lost, waiting briefly for a first report (the
+        agent writes one within milliseconds of a death; an abandoned attempt without one
+        is tried again with the same ranks)."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            failed = self.members.failures()
+            exits = set(self.members.exited())
+            lost = sorted(r for r in ranks if r in failed or r in exits)
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.01)
+
+    def _leave_world(self) -> None:
+        parallel_state.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.placeholders = []
+        # Destroyed groups sit in reference cycles; only their collection closes the sockets,
+        # which is what makes peers still blocked on us fail now instead of at their timeout.
+        gc.collect()
+
+    # ---- rejoin ------------------------------------------------------------------------------
+    def admission_due(self, iteration: int) -> bool:
+        """At the end of `iteration` (every rank, the same answer): whether the ranks that asked
+        to join are admitted now. The leader schedules an admission for the end of the next
+        iteration: every rank reaches that boundary only after that iteration's commit, which
+        needs the leader's vote, cast after it wrote the record."""
+        if self.launch_rank == min(self.alive):
+            self.members.schedule_admission(self.admissions, iteration + 1, self.alive,
+                                            self.admitted)
+        return self.members.admission_due(self.admissions, iteration)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.members.stop()
+
+    def leave(self) -> None:
+        """This rank is done with the job (finished, or not needed): its groups go, while the
+        interpreter is whole (gloo's threads joined at its teardown end in std::terminate)."""
+        try:
+            self._leave_world()
+        finally:
+            self.stop()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"

@@ -1,0 +1,51 @@
+"""megatron-core's optimizer step, split at the step's commit point.
+
+`MegatronOptimizer.step()` all-reduces the gradient norm inside itself (to clip by it), so a
+rank lost during that all-reduce can leave one survivor stepped and another not. Here the step
+has three parts, and only the middle one talks to other ranks:
+
+1. `prepare`: local. The main gradients are made ready (megatron-core's `prepare_grads`) and
+   this rank's part of the squared gradient norm is summed over the gradients megatron-core
+   counts in the norm (`get_main_grads_for_grad_norm`: no shared copy, no tensor-parallel
+   duplicate, so every parameter of the model counts once over the world).
+2. the commit (the executor's): one all-reduce over the world carries the norm parts with the
+   loss, then every rank votes on the store (membership.Membership.commit).
+3. `apply`: local. Clip by the global norm and step (`step_with_ready_grads`).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer import optimizer as mcore_optimizer
+
+
+def _optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+@torch.no_grad()
+def prepare(optimizer) -> float:
+    """Ready the main gradients; returns this rank's part of the squared gradient norm."""
+    if optimizer.prepare_grads():
+        # Only a dynamic loss scaler finds inf/nan, and --fp16 is refused where steps must be
+        # atomic: its scaler is updated inside prepare_grads, before the commit.
+        raise RuntimeError("inf/nan gradients found by the loss scaler")
+    grads = [g for o in _optimizers(optimizer) for g in o.get_main_grads_for_grad_norm()]
+    if not grads:
+        return 0.0
+    norms = torch._foreach_norm(grads, 2.0)
+    return float(torch.stack(norms).double().square().sum())
+
+
+@torch.no_grad()
+def apply(optimizer, total_norm: float, clip_grad: float) -> bool:
+    """Clip every gradient by the global norm `total_norm` (when `clip_grad` > 0) and step."""
+    if clip_grad > 0.0:
+        for o in _optimizers(optimizer):
+            params = o.get_parameters()
+            if params and not getattr(o, "is_stub_optimizer", False):
+                # looked up at the call: cpu_compat replaces megatron-core's CUDA-only version
+                mcore_optimizer.clip_grad_by_total_norm_fp32(
+                    params, clip_grad, total_norm,
+                    o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads()

@@ -1,0 +1,567 @@
+"""The training loop: one call per step and one per transition (torchtitan's Trainer in shape;
+the elastic side is megatron.elastic.manager's ElasticManager, torchft's Manager in shape).
+
+    trainer = Trainer(args, plan, tokenizer, injector, providers)   # world, data, runtime, load
+    summary = trainer.train()
+
+`train` runs steps and, at each iteration boundary, the actions due there (evaluation, a
+checkpoint save, a hybrid's switch, an admission of rejoining ranks; after the last iteration,
+the final save and reports). A failure anywhere in them (a step, a save, an evaluation, the
+reports) becomes one `Failure`; the manager's reconfiguration transaction moves the job to a
+new world, and the loop goes on from the last applied step, re-running the action the failure
+interrupted. A step is atomic across ranks (the executor's commit), so every survivor resumes
+from the same state.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from chameleon_ext import comm, membership
+from chameleon_ext.decision import Decision
+from chameleon_ext.faults import Injector
+from chameleon_ext.perf_model import ProfileError, predict_plan
+from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.schedule_ir import COMPUTE
+from chameleon_ext.strategies import redundancy
+from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
+from megatron.elastic.calibration import LiveCalibration
+from megatron.elastic.deciding import Decider, Planning
+from megatron.elastic.manager import (PHASE_OF, Admission, ElasticConfig, ElasticManager,
+                                      Entered, Failure, NotNeeded, PlannedSwitch, Unrecoverable)
+from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock
+from megatron.training import checkpointing, planning
+from megatron.training.data import DataError, MicroBatchLoader
+from megatron.training.metrics import Stopwatch
+from megatron.training.reporting import Reporter
+
+_OP_TIMERS = ("forward-recv", "forward-compute", "forward-send", "backward-recv",
+              "backward-compute", "backward-input", "backward-weight", "backward-send",
+              "grads-all-reduce", "optimizer", SHADOW_SYNC)
+
+
+class JobError(Exception):
+    """The job cannot go on; the message says why in one line. `exit_code`: 2 for bad input
+    (data, a profile), 1 for a failure no plan survives."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StepFailure(Exception):
+    """A peer was lost during work between two committed steps (not a RuntimeError, so that
+    nothing on the way up takes it for an ordinary failed operation)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.error)
+        self.failure = failure
+
+
+@dataclass
+class Providers:
+    """Megatron-LM's entry points, as pretrain_gpt.py defines them."""
+
+    datasets: Callable       # (args, tokenizer) -> (train, valid, test) datasets
+    model: Callable          # (args, config, pre_process, post_process) -> GPTModel
+    forward_step: Callable   # (batch, model) -> output
+    loss_func: Callable      # (batch, output) -> token-mean loss
+
+
+class Trainer:
+    def __init__(self, args, plan: ExecutionPlan, tokenizer, injector: Injector,
+                 providers: Providers, transformer_config, optimizer_config) -> None:
+        self.args, self.injector = args, injector
+        self.tied = not args.untie_embeddings_and_output_weights
+        self.elastic = self._elastic(args, plan, injector) if args.chameleon else None
+        joining = self.elastic is not None and self.elastic.joining
+        self.plan, self.rank = plan, 0
+        if not joining:  # a restarted worker gets its world when it is admitted
+            self.rank = _initialize_distributed(args, self.elastic)
+        cpu_compat.apply()
+        from megatron.core.timers import Timers
+        # Calibration reads the executor's per-op timers (level 2) whether or not they are
+        # logged.
+        self.timers = Timers(max(args.timing_log_level, 2) if args.chameleon
+                             else args.timing_log_level, "minmax")
+        compute_clock = ComputeClock()
+        self.calibration = self.clock = None
+        if self.elastic is not None:
+            try:
+                base = planning.base_profile(args, args.distributed_backend == "nccl")
+            except ProfileError as e:
+                raise JobError(str(e), exit_code=2) from None
+            self.calibration = LiveCalibration(self.elastic.store, self.elastic.launch_rank,
+                                               self.timers, base, compute_clock)
+            self.clock = planning.JobClock(args)
+            self.elastic.decider.planning = Planning(self.calibration.profile,
+                                                     self.clock.situation)
+            self.elastic.start()
+        try:
+            train_ds, valid_ds, _ = providers.datasets(args, tokenizer)
+        except DataError as e:
+            raise JobError(str(e), exit_code=2) from None
+        self.train_loader = MicroBatchLoader(train_ds, plan.micro_batch_size,
+                                             plan.num_micro_batches)
+        self.valid_loader = (MicroBatchLoader(valid_ds, plan.micro_batch_size,
+                                              plan.num_micro_batches)
+                             if valid_ds is not None and args.eval_interval else None)
+        self.spec = runtime.RuntimeSpec(
+            config=transformer_config, model_provider=lambda cfg, pre, post: providers.model(
+                args, cfg, pre, post),
+            optimizer_config=optimizer_config,
+            sched=runtime.SchedulerSettings(args.lr, args.min_lr, args.lr_warmup_iters,
+                                            args.lr_decay_iters, args.lr_decay_style,
+                                            args.weight_decay),
+            seed=args.seed, tied_embeddings=self.tied, seq_length=args.seq_length,
+            get_batch=self.train_loader.get, forward_step=providers.forward_step,
+            loss_func=providers.loss_func,
+            timeout=timedelta(seconds=args.chameleon_comm_timeout) if args.chameleon else None,
+            timers=self.timers, executor=args.chameleon_executor, compute_clock=compute_clock,
+            eager=args.chameleon_redundancy == "eager", measure_memory=args.chameleon)
+        self.model_meta = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+                           "tensor_parallel": plan.tensor_parallel,
+                           "global_batch_size": plan.global_batch_size,
+                           "seq_length": args.seq_length}
+        self.iteration = 0          # the last iteration whose step this rank applied
+        self.consumed = 0           # samples the data loader delivered to committed steps
+        self.start = 0
+        self.strategy = "none"
+        self.switch = None          # a hybrid's planned second step (decision.Switch)
+        self.pending: list[Callable[[], None]] = []   # actions due at this iteration boundary
+        self.finishing = False      # the final actions were scheduled
+        self.watch = Stopwatch()
+        self.built = None
+        # Everything made so far (imports, data, tokenizer) lives for the whole job: out of the
+        # collector's sight, so that the collections at a recovery (which close the old
+        # groups' sockets) take milliseconds, not half a second.
+        gc.freeze()
+        self.reporter = Reporter(args, lead=self.rank == 0 and not joining)
+        if joining:
+            self._join()
+        else:
+            self.built = self._build(plan, self.rank)
+            _set_random_seeds(args.seed)
+            if args.load:
+                self._load_initial()
+
+    @staticmethod
+    def _elastic(args, plan: ExecutionPlan, injector: Injector) -> ElasticManager:
+        config = ElasticConfig(backend=args.distributed_backend,
+                               strategy=args.chameleon_strategy,
+                               eager=args.chameleon_redundancy == "eager",
+                               comm_timeout_s=args.chameleon_comm_timeout,
+                               progress_timeout_s=args.chameleon_progress_timeout,
+                               save_timeout_s=args.chameleon_save_timeout)
+        return ElasticManager(config, injector, Decider(config.strategy, config.eager,
+                                                        target=plan))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def train(self) -> dict:
+        self.reporter.start(self.plan, self.built.schedule, self.start,
+                            len(self.injector.job_specs),
+                            f"{'apex' if _has('apex') else 'torch fallbacks (no apex)'}, packed "
+                            f"messages: {comm.backend()}")
+        while True:
+            try:
+                self._advance()
+                break
+            except StepFailure as f:
+                failure = f.failure
+            except NotNeeded as why:        # a switch or an admission left this rank out
+                return self._leave(why)
+            # Outside the except block: its traceback would pin the broken groups.
+            try:
+                self._recover(failure)
+            except NotNeeded as why:
+                return self._leave(why)
+        return self._finish()
+
+    def _advance(self) -> None:
+        """Steps and their boundaries' actions up to the end of the job; raises StepFailure."""
+        while True:
+            while self.pending:
+                self.pending[0]()
+                self.pending.pop(0)
+            if self.iteration >= self.args.train_iters:
+                if self.finishing:
+                    return
+                self.finishing = True
+                self.pending = self._final_actions()
+                continue
+            self.train_step(self.iteration + 1)
+            self.pending = self._actions_after(self.iteration)
+
+    def train_step(self, it: int) -> None:
+        """Iteration `it` (1-based): run this rank's ops; the step is applied everywhere or
+        nowhere (the executor's commit)."""
+        self.injector.maybe_fire(it, "between-iterations")
+        if self.elastic is not None:
+            self.elastic.tick(it, "between-iterations",
+                              allow_s=self.elastic.progress_allowance(self.reporter.times))
+        ops = self.built.schedule.ops[self.rank]
+        error = None
+        try:
+            res = self.built.executor.run(ops, it - 1)
+        except RuntimeError as e:
+            if self.elastic is None:
+                raise
+            noticed = self.elastic.notice()
+            error = _first_line(e)
+        if error is not None:   # outside the except block: its traceback would pin the groups
+            self.elastic.placeholders = self.built.executor.drain(ops, self.elastic.lost_ranks())
+            self.built.executor.reset()
+            raise StepFailure(Failure(it, noticed, error))
+        ms = self.watch.lap_ms()
+        self.iteration, self.consumed = it, self.consumed + res.samples
+        if self.elastic is not None:
+            self.elastic.applied = it
+            self.calibration.after_iteration(ms)
+            self.clock.iteration_ms.append(ms)
+        if not math.isfinite(res.loss):
+            raise JobError(f"loss is {res.loss} at iteration {it}")
+        a = self.args
+        self.reporter.iteration(
+            it, res, ms, self.consumed, self.plan, self.strategy,
+            self.built.runtime.optimizer.param_groups[0]["lr"],
+            lambda: self.timers.get_all_timers_string(list(_OP_TIMERS),
+                                                      normalizer=a.log_interval)
+            if a.timing_log_level > 0 else "")
+
+    def _actions_after(self, it: int) -> list[Callable[[], None]]:
+        a = self.args
+        due = []
+        if self.valid_loader and it % a.eval_interval == 0:
+            due.append(self._evaluate)
+        if a.save and a.save_interval and it % a.save_interval == 0:
+            due.append(self._save)
+        if self.switch is not None and it == self.switch.at_iteration:
+            due.append(self._switch)
+        if self.elastic is not None and self.elastic.admission_due(it):
+            due.append(self._admit)
+        return due
+
+    def _final_actions(self) -> list[Callable[[], None]]:
+        a = self.args
+        due: list[Callable[[], None]] = [self._shutting_down]
+        last = a.train_iters
+        if a.save and last > self.start and not (a.save_interval and last % a.save_interval == 0):
+            due.append(self._save)
+        if self.built.shadows is not None:
+            due.append(self._report_shadows)
+        if self.built.runtime.memory is not None:
+            due.append(self._report_memory)
+        if self.elastic is not None:
+            due.append(self._check_replicas)
+        return due
+
+    # ---- actions at iteration boundaries -----------------------------------------------------
+    @contextmanager
+    def _boundary(self, during: str, allow_s: float | None = None):
+        """Work between steps whose collectives may fail: a lost peer becomes a Failure of the
+        next iteration, and the work is done again in the new world."""
+        if self.elastic is not None:
+            self.elastic.tick(self.iteration, during, allow_s=allow_s)
+        try:
+            yield
+        except RuntimeError as e:
+            if self.elastic is None:
+                raise
+            noticed = self.elastic.notice()
+            raise StepFailure(Failure(self.iteration + 1, noticed, _first_line(e), during)) \
+                from None
+
+    def _shutting_down(self) -> None:
+        self.injector.maybe_fire(self.iteration, "shutdown")
+        self.reporter.prediction()
+
+    def _evaluate(self) -> None:
+        allow = None if self.elastic is None else \
+            self.args.eval_iters * self.elastic.progress_allowance(self.reporter.times)
+        with self._boundary("eval", allow):
+            self.injector.maybe_fire(self.iteration, "eval")
+            loss = self.built.executor.evaluate(self.built.eval_schedule.ops[self.rank],
+                                                self.valid_loader.get,
+                                                range(self.args.eval_iters))
+        self.reporter.validation(self.iteration, loss)
+        self.watch.lap_ms()
+
+    def _save(self) -> None:
+        a, it = self.args, self.iteration
+        timeouts = (a.chameleon_save_timeout, a.chameleon_comm_timeout) if a.chameleon else None
+        with self._boundary("checkpoint", a.chameleon_save_timeout):
+            path = checkpointing.save(
+                a.save, it, self.built.runtime, tied_embeddings=self.tied, timeouts=timeouts,
+                meta={**self.model_meta, "consumed_samples": self.consumed,
+                      "plan": self.plan.to_dict()},
+                written=lambda: self.injector.maybe_fire(it, "checkpoint"))
+        self.reporter.saved(it, path)
+        if self.calibration is not None and self.rank == 0:
+            profile = self.calibration.profile(self.plan, self.elastic.alive)
+            if profile is not None:
+                profile.save(os.path.join(a.save, "profile.json"))
+        self.watch.lap_ms()
+
+    def _switch(self) -> None:
+        it, switch = self.iteration, self.switch
+        self.switch = None
+        t = self._transition(PlannedSwitch(switch))
+        self.reporter.switched(t, it)
+
+    def _admit(self) -> None:
+        t = self._transition(Admission(self.iteration,
+                                       self.built.runtime.scheduler.state_dict(), self.consumed))
+        self.reporter.rejoined(t, self.iteration)
+
+    def _report_shadows(self) -> None:
+        mine = (self.built.shadows.held_bytes,
+                1e3 * self.timers(SHADOW_SYNC, log_level=2).active_time()
+                / max(len(self.reporter.times), 1))
+        with self._boundary("shutdown"):
+            self.reporter.shadows(_gather(mine))
+
+    def _report_memory(self) -> None:
+        """Every rank's measured memory (training state, shadow copies, the most activations
+        held at once) beside the plan's estimate with the calibrated profile."""
+        rt = self.built.runtime
+        mine = {"state": memory_meter.state_bytes(rt.module,
+                                                  state_transfer.torch_optimizers(rt.optimizer)),
+                "shadows": self.built.shadows.held_bytes if self.built.shadows else 0,
+                "activations": rt.memory.peak_bytes}
+        with self._boundary("shutdown"):
+            everyone = _gather(mine)
+        profile = self.calibration.profile(self.plan, self.elastic.alive) \
+            if self.rank == 0 and self.calibration is not None else None
+        if profile is None:
+            return
+        estimate = predict_plan(self.plan, profile).memory_bytes
+        held = redundancy.held_bytes(self.plan, profile.shape) if self.built.shadows else {}
+        self.reporter.memory([
+            {"rank": r, "measured_bytes": sum(m.values()),
+             **{f"{k}_bytes": v for k, v in m.items()},
+             "estimated_bytes": estimate[r] + held.get(r, 0)} for r, m in enumerate(everyone)])
+
+    def _check_replicas(self) -> None:
+        mine = state_transfer.state_digests(self.built.runtime, self.tied)
+        with self._boundary("shutdown"):
+            self.reporter.replicas(_gather(mine))
+
+    # ---- transitions -------------------------------------------------------------------------
+    def _recover(self, failure: Failure) -> None:
+        before = self.iteration
+        t = self._transition(failure)
+        resume = self.iteration
+        if resume < before:   # a restart went back to its checkpoint: so do the actions
+            self.pending, self.finishing = [], False
+        self.reporter.recovery(t, failure, resume, self.built.schedule)
+        self.reporter.moved_to(resume)
+        if self.rank == 0:
+            self.calibration.measured_transition(t.detect_ms,
+                                                 1e3 * (time.time() - t.first_notice))
+
+    def _transition(self, trigger):
+        """The manager's transaction from the current world; this rank's state is captured
+        once and entered by every attempt."""
+        carried = self._capture()
+        self.built = None
+        try:
+            t = self.elastic.reconfigure(trigger, self.plan, self._enter_with(carried))
+        except (Unrecoverable, membership.MembershipError, state_transfer.StateLost,
+                checkpointing.CheckpointError) as why:
+            raise JobError(f"cannot go on in-process after iteration {self.iteration}: {why}") \
+                from None
+        self._entered(t)
+        return t
+
+    def _join(self) -> None:
+        try:
+            t = self.elastic.join(self._enter_with(None), self.args.chameleon_join_timeout)
+        except (Unrecoverable, membership.MembershipError, state_transfer.StateLost) as why:
+            raise JobError(f"cannot join the job: {why}") from None
+        self._entered(t)
+        self.start = self.iteration
+        self.reporter.line(f"> launch rank {self.elastic.launch_rank} joined the job after iteration "
+              f"{self.iteration}: rank {t.rank} of {t.plan.world_size}, generation "
+              f"{t.plan.generation}")
+
+    def _entered(self, t) -> None:
+        self.plan, self.rank, self.iteration = t.plan, t.rank, t.entered.applied
+        self.reporter.lead = t.rank == 0
+        self.strategy = t.decision.strategy
+        self.switch = t.decision.switch
+        self.watch.lap_ms()
+
+    def _capture(self) -> state_transfer.CarriedState | None:
+        """What this rank carries into the next plan: its state, and its shadow copies."""
+        if self.built is None:
+            return None
+        carried = state_transfer.capture(self.built.runtime, self.tied)
+        if self.built.shadows is not None:
+            self.built.shadows.add_to(carried)
+        return carried
+
+    def _enter_with(self, carried: state_transfer.CarriedState | None
+                    ) -> Callable[[Decision, int, int | None], Entered]:
+        def enter(decision: Decision, rank: int, agreed: int | None) -> Entered:
+            if decision.restarts:
+                built = self._build(decision.plan, rank)
+                meta = self._load(built.runtime)
+                applied = meta["iteration"] if meta else 0
+                consumed = meta["consumed_samples"] if meta else 0
+            else:
+                # A joiner carries nothing: every layer, its Adam moments and the LR schedule
+                # come from the ranks that stayed.
+                state = carried if carried is not None else state_transfer.CarriedState(
+                    {}, {}, decision.scheduler)
+                built = self._build(decision.plan, rank, state, lambda: self.injector.maybe_fire(
+                    self.iteration + 1, "transfer"))
+                applied = agreed if agreed is not None else self.iteration
+                consumed = self.consumed if carried is not None else decision.consumed_samples
+            moved = _world_sum(built.received_bytes)   # the new world's first collective
+            self.built, self.consumed = built, consumed
+            return Entered(applied, moved)
+        return enter
+
+    def _build(self, plan: ExecutionPlan, rank: int, carried=None, on_transfer=None):
+        built = runtime.build(plan, rank, self.spec, carried, on_transfer)
+        rt = built.runtime
+        if self.elastic is not None:
+            rt.before_op, rt.commit = self.elastic.before_op, self.elastic.commit
+            rt.tick = lambda it, phase, waiting: self.elastic.tick(it + 1, phase, waiting)
+        rt.after_op = _slowed(self.injector) if self.injector.has_slow() else None
+        if self.calibration is not None:
+            self.calibration.start(plan, rank, built.schedule.ops[rank],
+                                   built.shadows is not None, rt.memory)
+        return built
+
+    def _load(self, rt) -> dict | None:
+        """The latest checkpoint of --save (else --load) into `rt` (collective)."""
+        a = self.args
+        root = a.save or a.load
+        if not root:
+            return None
+        timeouts = (a.chameleon_save_timeout, a.chameleon_comm_timeout) if a.chameleon else None
+        return checkpointing.load(root, rt, tied_embeddings=self.tied, expect=self.model_meta,
+                                  timeouts=timeouts)
+
+    def _load_initial(self) -> None:
+        a = self.args
+        try:
+            meta = checkpointing.load(a.load, self.built.runtime, tied_embeddings=self.tied,
+                                      expect=self.model_meta)
+        except checkpointing.CheckpointError as e:
+            raise JobError(str(e), exit_code=2) from None
+        if meta is None:
+            self.reporter.line(f"no checkpoint found under {a.load}: training from scratch")
+            return
+        self.start = self.iteration = meta["iteration"]
+        self.consumed = meta.get("consumed_samples", self.iteration * self.plan.global_batch_size)
+        if self.elastic is not None:
+            self.elastic.applied = self.iteration
+        self.reporter.line(f"loaded checkpoint from {a.load} at iteration {self.start}")
+
+    # ---- the end -----------------------------------------------------------------------------
+    def _finish(self) -> dict:
+        summary = self.reporter.summary(self.plan, self.start)
+        self.reporter.close()
+        self.built = None
+        if self.elastic is not None:
+            self.elastic.leave()
+        else:
+            dist.barrier()
+            dist.destroy_process_group()
+            # Groups of earlier worlds that something still referenced go now, while the
+            # interpreter is whole: gloo's threads joined at its teardown end in std::terminate.
+            gc.collect()
+        return summary
+
+    def _leave(self, why: NotNeeded) -> dict:
+        """A survivor the new plan has no place for: it closes its logs and exits cleanly."""
+        print(f"> leaving the job after iteration {self.iteration}: {why}", flush=True)
+        self.reporter.close()
+        self.elastic.leave()
+        return {}
+
+
+def _initialize_distributed(args, elastic: ElasticManager | None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.distributed_backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if elastic is None:
+        # Under chameleon-launch the world meets on the job's store (env:// knows only a
+        # TCPStore; the store may be an etcd cluster).
+        store = None
+        if os.environ.get(membership.STORE_ENV):
+            store = membership.generation_store(membership.connect_store(), 0)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(args.distributed_backend, rank=rank, world_size=world,
+                                store=store, timeout=timeout)
+        return rank
+    # Generation 0 meets on the job's store like every later one: its rendezvous gives up as
+    # soon as a rank is lost (instead of after the timeout), and its operations then wait no
+    # longer than the plan's groups'.
+    try:
+        membership.rebuild_world(elastic.store, membership.Agreement(0, list(range(world)), [], 0),
+                                 rank, args.distributed_backend, timeout.total_seconds(),
+                                 members=elastic.members)
+    except membership.PeerLost as e:
+        raise JobError(f"a rank was lost while the job started: {e}") from None
+    _set_pg_timeout(timedelta(seconds=args.chameleon_comm_timeout), dist.group.WORLD)
+    return rank
+
+
+def _set_random_seeds(seed: int) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _gather(mine) -> list:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _world_sum(n: int) -> int:
+    t = torch.tensor([n], dtype=torch.int64,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _slowed(injector: Injector):
+    """after_op of a rank with a `slow` fault: its compute ops take `factor` times as long."""
+    def after_op(op, iteration: int, elapsed_s: float) -> None:
+        if op.kind in COMPUTE:
+            injector.maybe_fire(iteration + 1, PHASE_OF[op.kind], elapsed_s=elapsed_s)
+    return after_op
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
