@@ -22,7 +22,9 @@ holds "node"; ``nodes_from_store``).
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from datetime import timedelta
 from typing import Literal
 
 from chameleon_ext import membership
@@ -32,15 +34,20 @@ PlacementKind = Literal["spread", "megatron"]
 PLACEMENTS: tuple[PlacementKind, ...] = ("spread", "megatron")
 
 
-def nodes_from_store(store, world_size: int) -> dict[int, int]:
-    """rank -> node for ranks 0..world_size-1, from the launcher's worker records."""
-    nodes = {}
-    for rank in range(world_size):
-        info = membership.worker_info(store, rank)
-        if info is None:
-            raise PlanError(f"rank {rank} has no worker record on the store: its node is unknown")
-        nodes[rank] = int(info["node"])
-    return nodes
+def nodes_from_store(store, world_size: int, timeout_s: float = 60.0) -> dict[int, int]:
+    """rank -> node for ranks 0..world_size-1, from the launcher's worker records.
+
+    Each agent publishes its workers' records as it starts them, so a worker may ask before
+    another node's agent has started: this waits up to `timeout_s` (the first rendezvous would
+    wait for that node as long), then raises PlanError naming the ranks still unknown."""
+    keys = [membership.key_worker(r) for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError:     # DistStoreError: some never appeared
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise PlanError(f"ranks {missing} have no worker record on the store after "
+                        f"{timeout_s:g} s: their nodes are unknown") from None
+    return {r: int(json.loads(v)["node"]) for r, v in enumerate(store.multi_get(keys))}
 
 
 def place(kind: PlacementKind, nodes: dict[int, int], tensor_parallel: int,

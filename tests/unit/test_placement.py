@@ -3,8 +3,9 @@ different nodes wherever the shape allows and keeps tensor-parallel groups insid
 only renaming ranks (the pipelines' layers and micro-batches are those of Megatron's layout, so
 the losses are too); Megatron's order loses a whole stage with one node."""
 
-from datetime import timedelta
 import json
+import threading
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -99,11 +100,24 @@ def test_bad_input_names_the_problem():
         pl.place("spread", blocks(2, 2), 1, 3, 6, 2, 6)
 
 
+def test_one_node_keeps_megatrons_order():
+    for tp, pp in [(1, 2), (2, 2), (2, 1)]:
+        nodes = blocks(1, 8)
+        assert pl.place("spread", nodes, tp, pp, 4, 2, 16) == \
+            pl.place("megatron", nodes, tp, pp, 4, 2, 16)
+
+
 def test_nodes_come_from_the_launchers_worker_records():
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
                           wait_for_workers=False)
+    agents = mb.connect_store(f"127.0.0.1:{store.port}")      # the agents' own connection
+
+    def record(r, n):
+        agents.set(mb.key_worker(r), json.dumps({"rank": r, "node": n, "pid": 1, "host": "h"}))
     for r, n in blocks(2, 2).items():
-        store.set(mb.key_worker(r), json.dumps({"rank": r, "node": n, "pid": 1, "host": "h"}))
-    assert pl.nodes_from_store(store, 4) == blocks(2, 2)
-    with pytest.raises(PlanError, match="rank 4 has no worker record"):
-        pl.nodes_from_store(store, 5)
+        if r != 3:
+            record(r, n)
+    threading.Timer(0.3, record, (3, 1)).start()       # node 1's agent, a little late
+    assert pl.nodes_from_store(store, 4, timeout_s=10) == blocks(2, 2)
+    with pytest.raises(PlanError, match=r"ranks \[4, 5\] have no worker record .* 0.2 s"):
+        pl.nodes_from_store(store, 6, timeout_s=0.2)
