@@ -1,29 +1,36 @@
 """chameleon-launch: a torchrun-compatible per-node agent that does not kill survivors.
 
     chameleon-launch --nproc-per-node 4 [--nnodes 2 --node-rank 0] --master-addr HOST \\
-        --master-port PORT [--max-failures 4] [--heartbeat-timeout 5] [--store HOST:PORT] \\
+        --master-port PORT [--max-failures 4] [--heartbeat-timeout 5] \\
+        [--store HOST:PORT | --store etcd://HOST:PORT[,HOST:PORT...][/NAMESPACE]] \\
         train.py --its --args
     python -m chameleon_ext.launcher ...            (the same)
 
 One agent runs per node. The node-0 agent hosts the job's c10d TCPStore at master-addr:master-port
-(unless --store names an external one; other nodes connect to it). Workers are started with
+unless --store names an external one: a TCPStore at HOST:PORT, or an etcd cluster
+(chameleon_ext.etcd_store), the one choice with which the job survives the loss of node 0 (a
+TCPStore dies with the process that hosts it). Workers are started with
 torch.distributed.elastic.multiprocessing.start_processes (each in its own session, so its whole
 process group can be signalled); their environment:
 
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank), GROUP_WORLD_SIZE,
     ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT (0),
     TORCHELASTIC_MAX_RESTARTS (0), OMP_NUM_THREADS (1 unless set),
-    MASTER_ADDR, MASTER_PORT     the agent's store (host and port): the worker rendezvous
-    TORCHELASTIC_USE_AGENT_STORE "True": env:// connects to that store as a client
-    CHAMELEON_STORE              host:port of the same store (membership.connect_store reads it)
+    CHAMELEON_STORE              the store's address, host:port or etcd://...
+                                 (membership.connect_store reads it)
     CHAMELEON_HEARTBEAT_TIMEOUT  seconds (membership.Membership reads it)
     CHAMELEON_NODE_RANK          the node rank
+  with a TCPStore only:
+    MASTER_ADDR, MASTER_PORT     the store's host and port: the worker rendezvous
+    TORCHELASTIC_USE_AGENT_STORE "True": env:// connects to that store as a client
 
-Worker rendezvous: there is no second port. Workers connect to the agent's store as clients, so
-the store outlives any worker. A plain ``init_process_group("gloo")`` (env://) works for the first
-world (its keys go under ``default_pg/``, as under torchrun); after an agreement on generation g,
-the survivors create the new world on ``PrefixStore(f"gen{g}", connect_store())``
-(membership.rebuild_world), so keys of an old world are never reused.
+Worker rendezvous: there is no second port. Workers connect to the store as clients, so the store
+outlives any worker. With a TCPStore, a plain ``init_process_group("gloo")`` (env://) works for
+the first world (its keys go under ``default_pg/``, as under torchrun); with etcd there is no
+TCPStore for env://: the first world meets on ``membership.generation_store(connect_store(), 0)``
+(pretrain_gpt.py does so under any store). After an agreement on generation g, the survivors
+create the new world on ``PrefixStore(f"gen{g}", connect_store())`` (membership.rebuild_world), so
+keys of an old world are never reused.
 
 Unlike torchrun, when a worker dies the agent does not stop the others: it records the failure in
 the store (membership.report_failure: rank, cause "signal"/"exit", detail, wall time) as soon as it
@@ -37,15 +44,16 @@ cause "node". More than --max-failures failures stop the whole job (exit 1).
 With --max-restarts N, the agent starts up to N failed workers of its node again, each under a
 new rank (world size + the job's restart count, from the store's ``chameleon/next_member``) with
 CHAMELEON_JOIN=1: the failed rank stays failed, and the new one asks to join the running job
-(pretrain_gpt.py --chameleon admits it at an iteration boundary; see megatron.elastic.recovery).
+(pretrain_gpt.py --chameleon admits it at an iteration boundary; see megatron.elastic.manager).
 
 The agent ends when every worker of the job has exited or been reported failed. Exit status: the
 workers' own code when every worker of the node exited with the same non-zero code and nothing
 else failed in the job (no signal, hang or lost node: 2 from workers that rejected their
 arguments); else 0 when at least one worker finished with 0 and the job was not stopped for
---max-failures, else 1; on SIGINT/SIGTERM (SIGHUP, SIGQUIT) it terminates its workers (SIGTERM, then SIGKILL after --grace seconds, reaping
-each by PID/process group), reports them, and exits 130 / 143. Killing the node-0 agent takes the
-store with it: the job cannot survive that (keep the store on a machine that stays, or use --store).
+--max-failures, else 1; on SIGINT/SIGTERM (SIGHUP, SIGQUIT) it terminates its workers (SIGTERM,
+then SIGKILL after --grace seconds, reaping each by PID/process group), reports them, and exits
+130 / 143. Killing the node-0 agent takes a hosted store with it: the job cannot survive that
+(use --store etcd://...).
 
 Every worker's pid and host are published at ``chameleon/worker/{rank}`` (see membership's key
 layout) when it starts; tools/inject_failure.py uses them.
@@ -74,6 +82,10 @@ from chameleon_ext import membership as mb
 PROG = "chameleon-launch"
 POLL_S = 0.05
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+class StoreInUse(mb.MembershipError):
+    """The external store still holds a finished job (bad input: exit 2)."""
 
 
 def log(msg: str) -> None:
@@ -111,8 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "iteration boundary)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds after which a silent heartbeat means a lost worker or node")
-    p.add_argument("--store", metavar="HOST:PORT", default=None,
-                   help="use this external TCPStore instead of hosting one")
+    p.add_argument("--store", metavar="ADDRESS", default=None,
+                   help="use this external store instead of hosting one: HOST:PORT (a TCPStore) "
+                        "or etcd://HOST:PORT[,HOST:PORT...][/NAMESPACE] (an etcd cluster: the "
+                        "job survives the loss of any node, node 0 included; one namespace per "
+                        "job)")
     p.add_argument("--store-timeout", type=float, default=60.0,
                    help="seconds to wait for the store (connecting)")
     p.add_argument("--join-timeout", type=float, default=600.0,
@@ -189,46 +204,73 @@ class Agent:
 
     def _open_store(self) -> None:
         a = self.a
-        if a.store:
-            host, port = mb.parse_store_spec(a.store)
-            self._wait_for_port(host, port, a.store_timeout)
+        self.host, self.port = a.master_addr, a.master_port
+        if a.store and a.store.startswith(mb.ETCD_SCHEME):
+            self._wait_for_port(mb.parse_etcd_spec(a.store)[0], a.store_timeout)
             if self.stop_signal:
                 return
             self.store = mb.connect_store(a.store, timeout_s=a.store_timeout)
+            self.store_addr, self.host, self.port = a.store, None, None
+        elif a.store:
+            host, port = mb.parse_store_spec(a.store)
+            self._wait_for_port([(host, port)], a.store_timeout)
+            if self.stop_signal:
+                return
+            self.store = mb.connect_store(a.store, timeout_s=a.store_timeout)
+            self.host, self.port = host, port
         elif self.node == 0:
-            host, port = a.master_addr, a.master_port
             try:
-                self.server = dist.TCPStore(host, port, None, True,
+                self.server = dist.TCPStore(self.host, self.port, None, True,
                                             timedelta(seconds=a.store_timeout),
                                             wait_for_workers=False)
             except Exception as e:
-                raise mb.MembershipError(f"cannot host the store at {host}:{port}: "
+                raise mb.MembershipError(f"cannot host the store at {self.host}:{self.port}: "
                                          f"{str(e).splitlines()[0]}") from e
-            port = self.server.port
+            self.port = self.server.port
             self.store = self.server
         else:
-            host, port = a.master_addr, a.master_port
-            self._wait_for_port(host, port, a.store_timeout)
+            self._wait_for_port([(self.host, self.port)], a.store_timeout)
             if self.stop_signal:
                 return
-            self.store = mb.connect_store(f"{host}:{port}", timeout_s=a.store_timeout)
-        self.store_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.host, self.port = host, port
+            self.store = mb.connect_store(f"{self.host}:{self.port}", timeout_s=a.store_timeout)
+        if self.host is not None:
+            self.store_addr = (f"[{self.host}]:{self.port}" if ":" in self.host
+                               else f"{self.host}:{self.port}")
         self.m = mb.Membership(self.store, None, self.world_size, a.heartbeat_timeout)
+        if a.store:
+            self._refuse_finished_job()
 
-    def _wait_for_port(self, host: str, port: int, timeout_s: float) -> None:
-        """Wait for node 0's store in Python (a c10d connect would not see Ctrl-C)."""
+    def _refuse_finished_job(self) -> None:
+        """An external store (an etcd namespace, say) that still holds a job that has finished:
+        its records (failures, exits, generations) would be read as this job's."""
+        job = mb.job_info(self.store)
+        if job is None:
+            return
+        done = all(self.store.check([mb.key_agent_done(n)]) for n in range(int(job["nnodes"])))
+        if done or self.store.check([mb.KEY_ABORT]):
+            raise StoreInUse(
+                f"the store {self.store_addr} holds a job that has finished (started "
+                f"{time.ctime(job['started'])}): give each job its own store or etcd namespace "
+                "(etcd://HOST:PORT,.../NEW_NAME)")
+
+    def _wait_for_port(self, addrs: list[tuple[str, int]], timeout_s: float) -> None:
+        """Wait until one of `addrs` accepts connections, in Python (a c10d connect would not
+        see Ctrl-C)."""
         deadline = time.monotonic() + timeout_s
         while not self.stop_signal:
-            try:
-                socket.create_connection((host, port), timeout=1).close()
-                return
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise mb.MembershipError(f"no store at {host}:{port} after {timeout_s:g} s "
-                                             f"({e.strerror or e}): is the node-0 agent "
-                                             "running?") from None
-                self._wait(0.2)
+            for host, port in addrs:
+                try:
+                    socket.create_connection((host, port), timeout=1).close()
+                    return
+                except OSError as e:
+                    err = e
+            if time.monotonic() > deadline:
+                where = ", ".join(f"{h}:{p}" for h, p in addrs)
+                raise mb.MembershipError(f"no store at {where} after {timeout_s:g} s "
+                                         f"({err.strerror or err}): is "
+                                         + ("the node-0 agent" if not self.a.store else "it")
+                                         + " running?") from None
+            self._wait(0.2)
 
     def _safe(self, fn, *args, **kw):
         """Run a store operation; a broken store is logged once and makes the job fail."""
@@ -256,12 +298,13 @@ class Agent:
                 "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "chameleon",
                 "TORCHELASTIC_RESTART_COUNT": str(self.restarts if restarted else 0),
                 "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),
                 mb.STORE_ENV: self.store_addr,
                 mb.HEARTBEAT_ENV: repr(float(a.heartbeat_timeout)),
                 "CHAMELEON_NODE_RANK": str(self.node),
             }
+            if self.host is not None:     # a TCPStore: env:// can rendezvous on it
+                e.update({"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": self.host,
+                          "MASTER_PORT": str(self.port)})
             if "OMP_NUM_THREADS" not in os.environ:
                 e["OMP_NUM_THREADS"] = "1"
             if restarted:
@@ -678,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.store:
         try:
-            mb.parse_store_spec(args.store)
+            mb.check_store_spec(args.store)
         except ValueError as e:
             print(f"{PROG}: error: --store: {e}", file=sys.stderr)
             return 2
@@ -687,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         return agent.run()
     except mb.MembershipError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return 2 if isinstance(e, StoreInUse) else 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Membership over torch's c10d store: heartbeats, failure records, agreement, generations.
 
-Everything here talks to the job's TCPStore (hosted by the node-0 ``chameleon-launch`` agent, or an
-external one), never to a process group: a broken process group cannot be used to agree on how to
-replace it. Workers and agents use the same functions.
+Everything here talks to the job's store, never to a process group: a broken process group cannot
+be used to agree on how to replace it. The store is a TCPStore (hosted by the node-0
+``chameleon-launch`` agent, or an external one at ``host:port``) or an etcd cluster
+(``etcd://host:port,host:port,.../namespace``, chameleon_ext.etcd_store), which survives the loss
+of any one node, node 0 included. Workers and agents use the same functions.
 
 Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text or JSON)::
 
@@ -47,8 +49,9 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
                                        joiner meets the others
 
 Process groups of generation g rendezvous on ``PrefixStore(f"gen{g}", store)`` (see
-``generation_store`` and ``rebuild_world``); generation 0 may also use ``env://`` under the launcher
-(its keys live under ``default_pg/``), so no prefix is ever reused.
+``generation_store`` and ``rebuild_world``); the first world is generation 0 (pretrain_gpt.py
+meets on ``gen0``; a script may use ``env://`` on a TCPStore instead, whose keys live under
+``default_pg/``), so no prefix is ever reused.
 
 A survivor's recovery, in order (what tests/dist/test_launcher.py runs)::
 
@@ -82,6 +85,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from chameleon_ext.etcd_store import EtcdStore
 
 STORE_ENV = "CHAMELEON_STORE"
 HEARTBEAT_ENV = "CHAMELEON_HEARTBEAT_TIMEOUT"
@@ -276,8 +281,35 @@ def parse_store_spec(spec: str) -> tuple[str, int]:
     return host, port_n
 
 
-def connect_store(spec: str | None = None, timeout_s: float = 60.0) -> dist.TCPStore:
-    """A TCPStore client of the job's store ('host:port'; default: $CHAMELEON_STORE).
+ETCD_SCHEME = "etcd://"
+
+
+def parse_etcd_spec(spec: str) -> tuple[list[tuple[str, int]], str]:
+    """'etcd://h:p[,h:p...][/namespace]' -> ([(host, port), ...], namespace); ValueError naming
+    the problem. The namespace (default 'default') holds this job's keys."""
+    rest = spec.strip()[len(ETCD_SCHEME):]
+    hosts, _, namespace = rest.partition("/")
+    if not hosts:
+        raise ValueError(f"store address {spec!r} names no etcd endpoint (etcd://HOST:PORT,...)")
+    endpoints = [parse_store_spec(h) for h in hosts.split(",")]
+    namespace = namespace.strip("/")
+    if namespace and not all(c.isalnum() or c in "-_./" for c in namespace):
+        raise ValueError(f"store address {spec!r}: namespace {namespace!r} may hold only letters, "
+                         "digits, '-', '_', '.' and '/'")
+    return endpoints, namespace or "default"
+
+
+def check_store_spec(spec: str) -> None:
+    """ValueError naming the problem unless `spec` is 'host:port' or an etcd:// address."""
+    if spec.strip().startswith(ETCD_SCHEME):
+        parse_etcd_spec(spec)
+    else:
+        parse_store_spec(spec)
+
+
+def connect_store(spec: str | None = None, timeout_s: float = 60.0) -> dist.Store:
+    """A client of the job's store: 'host:port' (a TCPStore) or 'etcd://h:p,.../ns' (an
+    EtcdStore); default: $CHAMELEON_STORE.
 
     `timeout_s` is the store's timeout: how long connecting retries and how long a blocking
     get/wait on an absent key waits. This module never blocks on absent keys (it tests with check).
@@ -287,6 +319,13 @@ def connect_store(spec: str | None = None, timeout_s: float = 60.0) -> dist.TCPS
         if not spec:
             raise MembershipError(f"no store address: ${STORE_ENV} is not set "
                                   "(start the job with chameleon-launch, or pass host:port)")
+    if spec.strip().startswith(ETCD_SCHEME):
+        endpoints, namespace = parse_etcd_spec(spec)
+        try:
+            return EtcdStore(endpoints, namespace, timeout=timedelta(seconds=timeout_s),
+                             connect_timeout_s=timeout_s)
+        except RuntimeError as e:      # EtcdUnavailable, EtcdRequestError
+            raise MembershipError(f"cannot reach the etcd store {spec}: {e}") from e
     host, port = parse_store_spec(spec)
     try:
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))

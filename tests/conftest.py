@@ -16,3 +16,13 @@ def small_data(tmp_path_factory) -> str:
     """A real-text dataset prefix (part of the stdlib sources), built once per test session."""
     return ensure_builtin_dataset(tmp_path_factory.mktemp("data"), max_bytes=400_000,
                                   progress=False, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A 3-member etcd cluster on loopback, shared by a module's tests (each uses a namespace
+    of its own); killed at the module's end."""
+    from tests.etcd_cluster import EtcdCluster
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"))
+    yield cluster
+    cluster.stop()

@@ -1,17 +1,23 @@
 """Inject failures into a running chameleon-launch job from outside.
 
-    python tools/inject_failure.py --store HOST:PORT --kill RANK        SIGKILL one worker
-    python tools/inject_failure.py --store HOST:PORT --stop RANK        SIGSTOP one (a hang)
-        [--after-iteration N [--delay-ms D]]    ... once the worker works past iteration N
-                                                (its published progress), D ms later
-    python tools/inject_failure.py --store HOST:PORT --node NODE_RANK   SIGKILL all of a node's
-                                                                        workers [--with-agent]
-    python tools/inject_failure.py --store HOST:PORT --trace FILE       timed kills
+    python tools/inject_failure.py --store ADDRESS --kill RANK        SIGKILL one worker
+    python tools/inject_failure.py --store ADDRESS --stop RANK        SIGSTOP one (a hang)
+        [--after-iteration N [--delay-ms D]]  ... once the worker works past iteration N
+                                              (its published progress), D ms later
+    python tools/inject_failure.py --store ADDRESS --node NODE_RANK   SIGKILL a node: its agent
+                                                                      and all of its workers
+    python tools/inject_failure.py --store ADDRESS --trace FILE       timed kills
 
+ADDRESS is the job's store, HOST:PORT or etcd://HOST:PORT,... (as given to chameleon-launch).
 Workers are found through the launcher's records in the store (``chameleon/worker/{rank}``:
 pid, process group, host; ``chameleon/node/{node}``: its ranks and agent pid). Signals go to the
-worker's process group (each worker leads its own), so its children go with it. Only workers on
+worker's process group (each worker leads its own), so its children go with it. Only processes on
 this host can be signalled: run the tool on the worker's node.
+
+--node loses a whole node at once, as a machine that goes down would: its agent is killed first,
+so that nobody on that node reports the workers' deaths; the other agents then see the node's
+heartbeat go silent and report its ranks with cause "node". Killing node 0's agent ends a job
+whose store that agent hosts; with an etcd store (--store etcd://...) the job goes on.
 
 With --after-iteration the tool waits (up to --wait seconds) until the worker's progress,
 published with its heartbeat (``chameleon/progress/{rank}``, within half a second), shows an
@@ -151,6 +157,23 @@ def signal_worker(info: dict, sig: signal.Signals) -> bool:
     return True
 
 
+def kill_node(store, node: int, record: dict, world: int | None) -> bool:
+    """SIGKILL a node's agent, then its workers' process groups; False when none was running."""
+    if not _is_local(record["host"]):
+        raise InputError(f"node {node} runs on host {record['host']}, not on "
+                         f"{socket.gethostname()}: run {PROG} there")
+    infos = [worker(store, r, world) for r in record["ranks"]]
+    agent = int(record["agent_pid"])
+    killed = _alive(agent)
+    if killed:
+        os.kill(agent, signal.SIGKILL)
+        log(f"sent SIGKILL to the agent of node {node} (pid {agent})")
+    else:
+        print(f"{PROG}: the agent of node {node} (pid {agent}) is not running", file=sys.stderr,
+              flush=True)
+    return any([signal_worker(i, signal.SIGKILL) for i in infos]) or killed
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):          # one line, exit 2
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
@@ -161,15 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog=PROG, allow_abbrev=False,
                                 description="kill or stop workers of a chameleon-launch job")
     p.add_argument("--store", default=os.environ.get(mb.STORE_ENV),
-                   help="the job's store, host:port (default: $CHAMELEON_STORE)")
+                   help="the job's store, host:port or etcd://host:port,... "
+                        "(default: $CHAMELEON_STORE)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to reach the store")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--kill", type=int, metavar="RANK", help="SIGKILL this worker")
     g.add_argument("--stop", type=int, metavar="RANK", help="SIGSTOP this worker (a hang)")
-    g.add_argument("--node", type=int, metavar="NODE_RANK", help="SIGKILL all of a node's workers")
+    g.add_argument("--node", type=int, metavar="NODE_RANK",
+                   help="SIGKILL a node's agent and all of its workers (a lost node)")
     g.add_argument("--trace", metavar="FILE", help="lines 'SECONDS RANK...' of timed kills")
-    p.add_argument("--with-agent", action="store_true",
-                   help="with --node: SIGKILL that node's agent too (a whole-node loss)")
     p.add_argument("--after-iteration", type=int, metavar="N", default=None,
                    help="with --kill/--stop: wait until the worker works past iteration N")
     p.add_argument("--delay-ms", type=float, metavar="D", default=0.0,
@@ -194,19 +217,19 @@ def run(a: argparse.Namespace) -> int:
     if not a.store:
         raise InputError(f"no store: pass --store HOST:PORT or set ${mb.STORE_ENV}")
     try:
-        host, port = mb.parse_store_spec(a.store)
+        mb.check_store_spec(a.store)
     except ValueError as e:
         raise InputError(str(e)) from None
-    try:   # a plain TCP probe first: fails in one line, without c10d's retry noise
-        socket.create_connection((host, port), timeout=a.timeout).close()
-    except OSError as e:
-        raise InputError(f"no store at {a.store}: {e.strerror or e}") from None
+    if not a.store.startswith(mb.ETCD_SCHEME):
+        host, port = mb.parse_store_spec(a.store)
+        try:   # a plain TCP probe first: fails in one line, without c10d's retry noise
+            socket.create_connection((host, port), timeout=a.timeout).close()
+        except OSError as e:
+            raise InputError(f"no store at {a.store}: {e.strerror or e}") from None
     for name in ("kill", "stop", "node"):
         v = getattr(a, name)
         if v is not None and v < 0:
             raise InputError(f"--{name} {v}: must be >= 0")
-    if a.with_agent and a.node is None:
-        raise InputError("--with-agent goes with --node")
     if a.after_iteration is not None and a.kill is None and a.stop is None:
         raise InputError("--after-iteration goes with --kill or --stop")
     if a.after_iteration is not None and a.after_iteration < 0:
@@ -236,15 +259,7 @@ def run(a: argparse.Namespace) -> int:
         if node is None:
             nn = f" (nodes: {job['nnodes']})" if job else ""
             raise InputError(f"node {a.node} is not in the store{nn}")
-        infos = [worker(store, r, world) for r in node["ranks"]]
-        ok = [signal_worker(i, signal.SIGKILL) for i in infos]
-        if a.with_agent:
-            try:
-                os.kill(int(node["agent_pid"]), signal.SIGKILL)
-                log(f"sent SIGKILL to the agent of node {a.node} (pid {node['agent_pid']})")
-            except ProcessLookupError:
-                print(f"{PROG}: the agent of node {a.node} is not running", file=sys.stderr)
-        return 0 if any(ok) else 1
+        return 0 if kill_node(store, a.node, node, world) else 1
 
     # --trace: check every rank first, then play the events.
     for _, ranks in events:

@@ -497,14 +497,20 @@ class Trainer:
 def _initialize_distributed(args, elastic: ElasticManager | None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
     if args.distributed_backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if elastic is None:
+        # Under chameleon-launch the world meets on the job's store (env:// knows only a
+        # TCPStore; the store may be an etcd cluster).
+        store = None
+        if os.environ.get(membership.STORE_ENV):
+            store = membership.generation_store(membership.connect_store(), 0)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(args.distributed_backend, rank=rank, world_size=world,
-                                timeout=timeout)
+                                store=store, timeout=timeout)
         return rank
     # Generation 0 meets on the job's store like every later one: its rendezvous gives up as
     # soon as a rank is lost (instead of after the timeout), and its operations then wait no

@@ -1,9 +1,11 @@
 """chameleon-launch with tiny gloo workers (no megatron): a worker's SIGKILL is in the store
 within a second and its peers live on, re-create a gloo world on PrefixStore("gen1") and
 all-reduce correctly; exit codes; Ctrl-C leaves no process behind; --max-failures stops the
-job; inject_failure.py kills (and stops) the right pid; a silent heartbeat is reported as a hang.
-And pretrain_gpt.py workers that all reject their arguments: the job exits with their code 2,
-the error said once."""
+job; inject_failure.py kills (and stops) the right pid; a silent heartbeat is reported as a hang;
+inject_failure.py --node takes a node's agent and workers at once and the other node's agent
+reports the node lost (node 1 on the agent's TCPStore, node 0 on an etcd store). And
+pretrain_gpt.py workers that all reject their arguments: the job exits with their code 2, the
+error said once."""
 
 from __future__ import annotations
 
@@ -106,6 +108,13 @@ if mode == "heartbeat":                  # heartbeats; finishes when the test sa
 '''
 
 
+def inject(*args: str) -> subprocess.CompletedProcess:
+    """tools/inject_failure.py with this checkout's packages (not an installed copy's)."""
+    return subprocess.run([sys.executable, str(REPO / "tools" / "inject_failure.py"), *args],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=60)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,12 +132,13 @@ def alive(pid: int) -> bool:
 class Launch:
     """chameleon-launch in its own session; every pid it reports is killed at the end."""
 
-    def __init__(self, tmp: Path, nproc: int, mode: str, *extra: str, flags=()):
+    def __init__(self, tmp: Path, nproc: int, mode: str, *extra: str, flags=(),
+                 port: int | None = None, store: str | None = None):
         self.tmp = tmp
         script = tmp / "worker.py"
         script.write_text(WORKER)
-        self.port = free_port()
-        self.addr = f"127.0.0.1:{self.port}"
+        self.port = port or free_port()
+        self.addr = store or f"127.0.0.1:{self.port}"     # where the test reads the store
         self.err_path = tmp / "agent.err"
         cmd = [sys.executable, "-m", "chameleon_ext.launcher", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(self.port), *flags,
@@ -144,6 +154,8 @@ class Launch:
         return self.err_path.read_text()
 
     def connect(self, timeout=60):
+        if self.store is None and self.addr.startswith(mb.ETCD_SCHEME):
+            self.store = mb.connect_store(self.addr, timeout_s=30)
         deadline = time.monotonic() + timeout
         while self.store is None:
             try:
@@ -283,26 +295,26 @@ def test_inject_failure_stop_and_kill_hit_the_right_pids(launch):
     run = launch(3, "heartbeat", flags=["--heartbeat-timeout", "2"])
     info = run.workers(3)
     run.wait_keys([f"test/ready/{r}" for r in range(3)])
-    tool = [sys.executable, str(REPO / "tools" / "inject_failure.py"), "--store", run.addr]
+    tool = ["--store", run.addr]
     # bad input: one line, exit 2
-    bad = subprocess.run(tool + ["--kill", "7"], capture_output=True, text=True, timeout=30)
+    bad = inject(*tool, "--kill", "7")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "rank 7 is not in the store (world size 3)" in bad.stderr
     # --stop: a hang; the agent sees the silent heartbeat, reports it and kills it
-    p = subprocess.run(tool + ["--stop", "1"], capture_output=True, text=True, timeout=30)
+    p = inject(*tool, "--stop", "1")
     assert p.returncode == 0, p.stderr
     assert f"sent SIGSTOP to rank 1 (pid {info[1]['pid']})" in p.stdout
     run.wait_keys([mb.key_failure(1)], timeout=20)
     rec = mb.FailureRecord.from_json(run.store.get(mb.key_failure(1)))
     assert rec.cause == "hang" and "heartbeat silent" in rec.detail
     # --kill: exactly that pid dies
-    p = subprocess.run(tool + ["--kill", "2"], capture_output=True, text=True, timeout=30)
+    p = inject(*tool, "--kill", "2")
     assert p.returncode == 0, p.stderr
     run.wait_keys([mb.key_failure(2)], timeout=15)
     rec = mb.FailureRecord.from_json(run.store.get(mb.key_failure(2)))
     assert rec.cause == "signal" and rec.detail == "SIGKILL"
     assert not alive(info[2]["pid"]) and alive(info[0]["pid"])
-    again = subprocess.run(tool + ["--kill", "2"], capture_output=True, text=True, timeout=30)
+    again = inject(*tool, "--kill", "2")
     assert again.returncode == 1 and "is not running" in again.stderr
     run.store.set("test/finish", "1")
     assert run.wait(30) == 0, run.stderr()
@@ -343,3 +355,51 @@ def test_trace_file_errors(tmp_path):
     assert tool.main(["--store", "127.0.0.1:1", "--trace", str(tmp_path / "missing")]) == 2
     assert tool.main(["--store", "nohost", "--kill", "1"]) == 2
     assert tool.main(["--kill", "1", "--stop", "2", "--store", "h:1"]) == 2
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("store,victim", [("tcp", 1), ("etcd", 0)])
+def test_inject_failure_node_takes_agent_and_workers_and_the_other_agent_reports_it(
+        launch, request, store, victim):
+    port = free_port()
+    addr = request.getfixturevalue("etcd").url(f"node-loss-{victim}") if store == "etcd" \
+        else f"127.0.0.1:{port}"
+    flags = ["--nnodes", "2", "--heartbeat-timeout", "2", "--grace", "1"]
+    if store == "etcd":
+        flags += ["--store", addr]
+    runs = [launch(2, "heartbeat", flags=[*flags, "--node-rank", str(n)], port=port, store=addr)
+            for n in (0, 1)]
+    survivor = runs[1 - victim]
+    info = survivor.workers(4)
+    for run in runs:
+        run.pids.update(i["pid"] for i in info.values())
+    survivor.wait_keys([f"test/ready/{r}" for r in range(4)])
+    node = mb.node_info(survivor.store, victim)
+    assert node["agent_pid"] == runs[victim].proc.pid
+    lost = [r for r in range(4) if info[r]["node"] == victim]
+    assert lost == node["ranks"] == [2 * victim, 2 * victim + 1]
+    p = inject("--store", addr, "--node", str(victim))
+    assert p.returncode == 0, p.stderr
+    assert f"sent SIGKILL to the agent of node {victim} (pid {node['agent_pid']})" in p.stdout
+    assert runs[victim].proc.wait(10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10            # orphaned zombies are reaped by init
+    while any(alive(info[r]["pid"]) for r in lost) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(info[r]["pid"]) for r in lost)
+    survivor.wait_keys([mb.key_failure(r) for r in lost], timeout=30)
+    last_beat = float(survivor.store.get(mb.key_agent_hb(victim)))    # within 0.4 s of the kill
+    for r in lost:
+        rec = mb.FailureRecord.from_json(survivor.store.get(mb.key_failure(r)))
+        reported = rec.time - last_beat
+        assert rec.cause == "node" and f"node {victim} agent heartbeat silent" in rec.detail
+        assert rec.reporter.startswith(f"agent node {1 - victim} ")
+    assert all(alive(info[r]["pid"]) for r in range(4) if r not in lost)
+    survivor.store.set("test/finish", "1")
+    assert survivor.wait(60) == 0, survivor.stderr()
+    err = survivor.stderr()
+    assert f"ranks {lost} reported lost" in err
+    for r in range(4):
+        if r not in lost:
+            assert f"worker rank {r} (pid {info[r]['pid']}) exited 0" in err
+    print(f"\n{store}: node {victim}'s last agent heartbeat -> its ranks reported lost: "
+          f"{reported:.1f} s (heartbeat timeout 2 s)")

@@ -1,7 +1,8 @@
-"""Membership over the store: worker processes (each a TCPStore client of a store hosted here)
-agree on the survivors after a SIGKILL (reported) and a SIGSTOP (seen as a stale heartbeat); a
-second failure during agreement (the leader's) still gives one list that every survivor reads;
-a rank that never arrives makes agree() time out naming it."""
+"""Membership over the store: worker processes (each a client of a store hosted here, or of an
+etcd cluster) agree on the survivors after a SIGKILL (reported) and a SIGSTOP (seen as a stale
+heartbeat); a second failure during agreement (the leader's) still gives one list that every
+survivor reads; a rank that never arrives makes agree() time out naming it. Every test that uses a
+store runs on a TCPStore and on a 3-member etcd cluster."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ pytestmark = pytest.mark.slow
 
 # ----------------------------------------------------------------------------- the worker process
 
-def _member(rank: int, world: int, port: int, hb_timeout: float) -> None:
+def _member(rank: int, world: int, addr: str, hb_timeout: float) -> None:
     """Agree on each generation the controller opens with test/go/{g}; results go to the store."""
     import torch
     torch.set_num_threads(1)
-    store = mb.connect_store(f"127.0.0.1:{port}", timeout_s=60)
+    store = mb.connect_store(addr, timeout_s=60)
     m = mb.Membership(store, rank, world, hb_timeout)
     m.start_heartbeat(0.05)
     store.set(f"test/ready/{rank}", str(os.getpid()))
@@ -52,15 +53,14 @@ def _member(rank: int, world: int, port: int, hb_timeout: float) -> None:
 
 
 class Job:
-    """A store hosted here and `world` member processes; every pid is killed at the end."""
+    """`world` member processes on the store at `addr`; every pid is killed at the end."""
 
-    def __init__(self, world: int, hb_timeout: float):
+    def __init__(self, addr: str, world: int, hb_timeout: float):
         self.world = world
-        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60),
-                                   wait_for_workers=False)
+        self.store = mb.connect_store(addr, timeout_s=60)
         self.m = mb.Membership(self.store, None, world, hb_timeout)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_member, args=(r, world, self.store.port, hb_timeout),
+        self.procs = [ctx.Process(target=_member, args=(r, world, addr, hb_timeout),
                                   daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
@@ -97,12 +97,23 @@ class Job:
         assert all(not p.is_alive() for p in self.procs)
 
 
+@pytest.fixture(params=["tcp", "etcd"])
+def store_addr(request):
+    """The address of an empty store: a TCPStore hosted here, or a fresh etcd namespace."""
+    if request.param == "etcd":
+        yield request.getfixturevalue("etcd").url(request.node.name.replace("[", "-")[:-1])
+        return
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60),
+                           wait_for_workers=False)
+    yield f"127.0.0.1:{server.port}"
+
+
 @pytest.fixture
-def job_factory():
+def job_factory(store_addr):
     jobs = []
 
     def make(world, hb_timeout):
-        jobs.append(Job(world, hb_timeout))
+        jobs.append(Job(store_addr, world, hb_timeout))
         return jobs[-1]
     yield make
     for j in jobs:
@@ -116,7 +127,7 @@ def _same_agreement(results):
     return ags[0]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)   # etcd answers in ~5 ms where a TCPStore takes ~0.1; a loaded host
 def test_agree_after_sigkill_report_and_sigstop_staleness(job_factory):
     job = job_factory(4, hb_timeout=1.0)
     # SIGKILL rank 3; its agent (here: the test) reports it.
@@ -142,7 +153,7 @@ def test_agree_after_sigkill_report_and_sigstop_staleness(job_factory):
     job.go(3, stop=True)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)   # etcd answers in ~5 ms where a TCPStore takes ~0.1; a loaded host
 def test_leader_failing_during_agreement_still_converges(job_factory):
     job = job_factory(4, hb_timeout=30.0)
     job.kill(3)
@@ -170,13 +181,12 @@ def test_leader_failing_during_agreement_still_converges(job_factory):
 # ----------------------------------------------------------------------------- in-process checks
 
 @pytest.fixture
-def store():
-    s = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    yield s
+def store(store_addr):
+    return store_addr
 
 
-def _client(store):
-    return mb.connect_store(f"127.0.0.1:{store.port}", timeout_s=30)
+def _client(addr):
+    return mb.connect_store(addr, timeout_s=30)
 
 
 def _run_threads(fns):
@@ -281,11 +291,10 @@ def test_store_spec_errors(monkeypatch):
         mb.connect_store()
 
 
-def test_detection_is_timed_from_the_death_to_the_first_notice():
+def test_detection_is_timed_from_the_death_to_the_first_notice(store_addr):
     """The first survivor's notice wins; a death is timed by the victim's own announcement
     where it made one, else by the agent's record less the agent's latency."""
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
-                          wait_for_workers=False)
+    store = _client(store_addr)
     a, b = mb.Membership(store, 0, 3, 5.0), mb.Membership(store, 1, 3, 5.0)
     assert a.notice(1, when=100.25) == 100.25
     assert b.notice(1, when=100.5) == 100.25
@@ -336,11 +345,11 @@ def test_the_agreement_proves_the_survivors_applied_the_same_steps(store):
     assert "{0: 9, 1: 9, 2: 10}" in str(out[0])
 
 
-def _rendezvous(rank: int, port: int, world: int, queue) -> None:
+def _rendezvous(rank: int, addr: str, world: int, generation: int, queue) -> None:
     import torch
-    store = mb.connect_store(f"127.0.0.1:{port}", timeout_s=30)
+    store = mb.connect_store(addr, timeout_s=30)
     m = mb.Membership(store, rank, world, heartbeat_timeout=30)
-    ag = mb.Agreement(1, list(range(world)), [], 0)
+    ag = mb.Agreement(generation, list(range(world)), [], 0)
     t0 = time.monotonic()
     try:
         mb.rebuild_world(store, ag, rank, "gloo", timeout_s=20, members=m)
@@ -352,27 +361,25 @@ def _rendezvous(rank: int, port: int, world: int, queue) -> None:
         queue.put((rank, "lost", str(e), time.monotonic() - t0))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)   # etcd answers in ~5 ms where a TCPStore takes ~0.1; a loaded host
 def test_a_rendezvous_gives_up_at_once_when_a_member_is_lost(store):
     """Two of three ranks build a world on the job's store; the third is reported failed
     instead of arriving: both give up within a second, not after the 20 s timeout. The same
     rendezvous with every rank present builds a working world."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rendezvous, args=(r, store.port, 2, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_rendezvous, args=(r, store, 2, 1, queue)) for r in range(2)]
     for p in procs:
         p.start()
     ok = sorted(queue.get(timeout=40) for _ in procs)
     assert [(r, what, t) for r, what, t, _ in ok] == [(0, "ok", [3.0, 3.0]), (1, "ok", [3.0, 3.0])]
     for p in procs:
         p.join(10)
-    store2 = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
-                           wait_for_workers=False)
-    procs = [ctx.Process(target=_rendezvous, args=(r, store2.port, 3, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_rendezvous, args=(r, store, 3, 2, queue)) for r in range(2)]
     for p in procs:
         p.start()
     time.sleep(1.0)
-    mb.Membership(store2, None, 3).report_failure(2, "signal", "SIGKILL")
+    mb.Membership(_client(store), None, 3).report_failure(2, "signal", "SIGKILL")
     lost = sorted(queue.get(timeout=40) for _ in procs)
     for p in procs:
         p.join(10)

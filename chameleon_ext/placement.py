@@ -1,0 +1,130 @@
+"""Placement: which rank takes which place of the failure-free plan, given each rank's node.
+
+A node (its agent and all its workers) fails as a unit. Megatron's rank order (tensor-parallel
+fastest, then data-parallel, then pipeline) fills a node with consecutive places: with 2 workers
+per node, pipeline 2 x data 2 puts both replicas of stage 1 on node 1, whose loss then loses every
+copy of those layers and forces a restart from a checkpoint. Two placements:
+
+- ``megatron``: Megatron's rank order, whatever the nodes (today's layout).
+- ``spread``: tensor-parallel groups are cut inside a node (consecutive ranks of one node); the
+  groups are then dealt to the nodes in turn (the node with the most groups left first), and the
+  places are filled in Megatron's order from that sequence. Consecutive places of a stage (its
+  data-parallel replicas) come from different nodes wherever the counts allow, and with as many
+  replicas as nodes (or a multiple) each pipeline stays inside one node, so pipeline traffic stays
+  local and only the gradient reduction crosses nodes.
+
+A placement only renames ranks: the pipelines, their layer ranges and their micro-batches are those
+of ExecutionPlan.failure_free, so the losses are those of any other layout.
+
+The node of each rank comes from the launcher's records on the store (``chameleon/worker/{rank}``
+holds "node"; ``nodes_from_store``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from datetime import timedelta
+from typing import Literal
+
+from chameleon_ext import membership
+from chameleon_ext.plan import ExecutionPlan, Pipeline, PlanError, Stage
+
+PlacementKind = Literal["spread", "megatron"]
+PLACEMENTS: tuple[PlacementKind, ...] = ("spread", "megatron")
+
+
+def nodes_from_store(store, world_size: int, timeout_s: float = 60.0) -> dict[int, int]:
+    """rank -> node for ranks 0..world_size-1, from the launcher's worker records.
+
+    Each agent publishes its workers' records as it starts them, so a worker may ask before
+    another node's agent has started: this waits up to `timeout_s` (the first rendezvous would
+    wait for that node as long), then raises PlanError naming the ranks still unknown."""
+    keys = [membership.key_worker(r) for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError:     # DistStoreError: some never appeared
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise PlanError(f"ranks {missing} have no worker record on the store after "
+                        f"{timeout_s:g} s: their nodes are unknown") from None
+    return {r: int(json.loads(v)["node"]) for r, v in enumerate(store.multi_get(keys))}
+
+
+def place(kind: PlacementKind, nodes: dict[int, int], tensor_parallel: int,
+          pipeline_parallel: int, num_layers: int, micro_batch_size: int,
+          global_batch_size: int) -> ExecutionPlan:
+    """The failure-free plan of this shape over the ranks of `nodes` (rank -> node), placed by
+    `kind`."""
+    if kind not in PLACEMENTS:
+        raise PlanError(f"unknown placement {kind!r} (one of {', '.join(PLACEMENTS)})")
+    world = len(nodes)
+    if sorted(nodes) != list(range(world)):
+        raise PlanError(f"placement needs the node of every rank 0..{world - 1}; "
+                        f"got ranks {sorted(nodes)}")
+    plan = ExecutionPlan.failure_free(world, tensor_parallel, pipeline_parallel, num_layers,
+                                      micro_batch_size, global_batch_size)
+    if kind == "megatron":
+        return plan
+    order = [r for group in _dealt_groups(nodes, tensor_parallel) for r in group]
+    # Megatron's rank r sits at place r; `order` says who takes each place.
+    placed = ExecutionPlan(
+        plan.num_layers, plan.tensor_parallel, plan.micro_batch_size, plan.num_micro_batches,
+        [Pipeline([Stage(st.layer_start, st.layer_end, [order[r] for r in st.ranks])
+                   for st in p.stages], list(p.micro_batches)) for p in plan.pipelines],
+        plan.generation)
+    placed.validate()
+    return placed
+
+
+def _dealt_groups(nodes: dict[int, int], tensor_parallel: int) -> list[list[int]]:
+    """Tensor-parallel groups cut inside each node, dealt to the nodes in turn."""
+    by_node: dict[int, list[int]] = defaultdict(list)
+    for rank in sorted(nodes):
+        by_node[nodes[rank]].append(rank)
+    queues: dict[int, list[list[int]]] = {}
+    leftover: list[int] = []        # ranks that fill no whole group on their node
+    for node, ranks in sorted(by_node.items()):
+        whole = len(ranks) - len(ranks) % tensor_parallel
+        queues[node] = [ranks[i:i + tensor_parallel] for i in range(0, whole, tensor_parallel)]
+        leftover += ranks[whole:]
+    spanning = [leftover[i:i + tensor_parallel] for i in range(0, len(leftover), tensor_parallel)]
+    dealt: list[list[int]] = []
+    while any(queues.values()):
+        for node in sorted(queues, key=lambda n: (-len(queues[n]), n)):
+            if queues[node]:
+                dealt.append(queues[node].pop(0))
+    return dealt + spanning
+
+
+def single_node_stages(plan: ExecutionPlan, nodes: dict[int, int]) -> list[tuple[int, int, int]]:
+    """(layer_start, layer_end, node) for each stage whose every replica is on one node."""
+    replicas: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for p in plan.pipelines:
+        for st in p.stages:
+            replicas[(st.layer_start, st.layer_end)].update(nodes[r] for r in st.ranks)
+    return [(a, b, next(iter(ns))) for (a, b), ns in sorted(replicas.items()) if len(ns) == 1]
+
+
+def spanning_tp_groups(plan: ExecutionPlan, nodes: dict[int, int]) -> list[list[int]]:
+    """Tensor-parallel groups whose ranks are on more than one node."""
+    return [st.ranks for p in plan.pipelines for st in p.stages
+            if len({nodes[r] for r in st.ranks}) > 1]
+
+
+def describe(kind: PlacementKind, plan: ExecutionPlan, nodes: dict[int, int]) -> str:
+    """One line for the plan's log line: the placement and what a node's loss would take."""
+    count = len({nodes[r] for r in plan.ranks})
+    line = f"placement {kind}: {plan.world_size} ranks on {count} node(s)"
+    if count == 1:
+        return line
+    exposed = single_node_stages(plan, nodes)
+    if exposed:
+        line += "; every replica of " + ", ".join(
+            f"layers {a}-{b - 1} on node {n}" for a, b, n in exposed)
+    else:
+        line += "; every stage has replicas on 2 or more nodes"
+    if plan.tensor_parallel > 1:
+        spans = spanning_tp_groups(plan, nodes)
+        line += (f"; {len(spans)} tensor-parallel group(s) across nodes" if spans
+                 else "; tensor-parallel groups within a node")
+    return line
