@@ -16,6 +16,8 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
     chameleon/node/{node}              JSON {"node", "host", "agent_pid", "ranks", "started"}
     chameleon/agent_hb/{node}          wall time (time.time()) of the node agent's last heartbeat
     chameleon/agent_done/{node}        set when that agent has finished (not a node loss)
+    chameleon/agent_left/{node}        set when that agent has read the store for the last time
+                                       (an agent that hosts the store waits for it)
     chameleon/hb/{rank}                wall time of the worker's last heartbeat; "off:<time>" once
                                        it stopped heartbeating on purpose (Membership.stop)
     chameleon/progress/{rank}          JSON Progress: what the worker's main thread is doing
@@ -117,6 +119,10 @@ def key_agent_hb(node: int) -> str:
 
 def key_agent_done(node: int) -> str:
     return f"{ROOT}/agent_done/{node}"
+
+
+def key_agent_left(node: int) -> str:
+    return f"{ROOT}/agent_left/{node}"
 
 
 def key_hb(rank: int) -> str:
@@ -594,6 +600,26 @@ class Membership:
         stale.update(r for r in ranks if self._worker_nodes.get(r) in lost_nodes)
         return sorted(stale)
 
+    def unreported_losses(self, ranks: list[int], now: float | None = None) -> dict[int, str]:
+        """The ranks among `ranks` that count as lost although nobody reported them, and why:
+        "node" when their node's agent went silent (the node is gone with every rank on it),
+        "stale" when their own heartbeat did and no live agent of theirs is watching them. A
+        silent worker whose agent lives is left to that agent, which kills it and reports it
+        (a hang) within one of its polls: so a node's ranks are never taken one by one for
+        stale workers while their node's loss is still being noticed."""
+        now = time.time() if now is None else now
+        lost_nodes = self.stale_nodes(now=now, nodes=self._nodes_of(ranks))
+        out = {r: "node" for r in ranks if self._worker_nodes.get(r) in lost_nodes}
+        for r, age in self.heartbeat_ages([r for r in ranks if r not in out], now).items():
+            if age > self.heartbeat_timeout and not self._watched(self._worker_nodes.get(r)):
+                out[r] = "stale"
+        return out
+
+    def _watched(self, node: int | None) -> bool:
+        """Whether `node` has an agent that heartbeats and has not finished."""
+        return node is not None and self.store.check([key_agent_hb(node)]) \
+            and not self.store.check([key_agent_done(node)])
+
     def _nodes_of(self, ranks) -> set[int]:
         for r in ranks:
             if r not in self._worker_nodes and self.store.check([key_worker(r)]):
@@ -724,8 +750,9 @@ class Membership:
 
         Each rank writes its arrival under gen/{generation}, with `iteration`, the last
         iteration whose optimizer step it applied (None for a rank with no state, a joiner); a
-        candidate is expected unless it is reported failed, exited cleanly or is heartbeat-stale
-        (re-checked while waiting). Once every expected rank has arrived, the lowest of them (the
+        candidate is expected unless it is reported failed, exited cleanly or is lost unreported
+        (`unreported_losses`: its node's agent or, unwatched, its own heartbeat went silent;
+        re-checked while waiting). Once every expected rank has arrived, the lowest of them (the
         leader) checks that they applied the same steps and writes the final list with
         compare_set, so exactly one list is ever published and every survivor reads that one. A
         leader that dies before publishing is dropped like any other rank and the next one
@@ -770,7 +797,7 @@ class Membership:
             dropped = {r: fails[r].cause for r in cand if r in fails}
             dropped.update({r: "exited" for r in cand if r in exits and r not in dropped})
             rest = [r for r in cand if r not in dropped and r != me]
-            dropped.update({r: "stale" for r in self.stale_ranks(rest)})
+            dropped.update(self.unreported_losses(rest))
             if me in dropped:
                 raise ExcludedFromAgreement(
                     f"rank {me} has been reported {dropped[me]} and cannot join generation "

@@ -279,6 +279,27 @@ def test_heartbeat_staleness_and_node_agents(store):
     assert m.heartbeat_ages([0]) == {}                  # retired
 
 
+@pytest.mark.timeout(30)
+def test_a_lost_node_is_told_apart_from_a_silent_worker(store):
+    """Ranks nobody reported: a node whose agent went silent takes its ranks as "node"; a silent
+    worker whose agent lives is left to that agent (it kills and reports it); a silent worker
+    with no agent watching is "stale"."""
+    c = _client(store)
+    obs = mb.Membership(c, None, 6, heartbeat_timeout=1.0)
+    now = time.time()
+    for r in range(6):
+        c.set(mb.key_worker(r), json.dumps({"rank": r, "node": r // 2, "pid": 1, "host": "h"}))
+    c.set(mb.key_agent_hb(0), f"{now:.6f}")             # node 0: its agent lives
+    c.set(mb.key_agent_hb(1), f"{now - 5:.6f}")         # node 1: lost
+    c.set(mb.key_hb(0), f"{now:.6f}")
+    c.set(mb.key_hb(1), f"{now - 5:.6f}")               # silent, watched by node 0's agent
+    c.set(mb.key_hb(2), f"{now:.6f}")                   # last beat before its node went
+    c.set(mb.key_hb(3), f"{now - 5:.6f}")
+    c.set(mb.key_hb(4), f"{now - 5:.6f}")               # node 2: no agent heartbeat at all
+    assert obs.unreported_losses(list(range(6))) == {2: "node", 3: "node", 4: "stale"}
+    assert obs.stale_ranks(list(range(6))) == [1, 2, 3, 4]   # what a rendezvous gives up on
+
+
 def test_store_spec_errors(monkeypatch):
     assert mb.parse_store_spec("127.0.0.1:29500") == ("127.0.0.1", 29500)
     assert mb.parse_store_spec("[::1]:5") == ("::1", 5)
