@@ -517,10 +517,14 @@ class Agent:
             self.lost_nodes.add(n)
             done = set((self._safe(self.m.failures) or {})) | set(self._safe(self.m.exited) or [])
             lost = [r for r in self._node_ranks(n) if r not in done]
+            # The node died after its agent's last heartbeat: its age bounds the detection.
+            last_beat = self._safe(self.store.get, mb.key_agent_hb(n)) if n in stale else None
+            since = None if last_beat is None else round((now - float(last_beat)) * 1e3, 3)
             for r in lost:
-                self._safe(self.m.report_failure, r, "node", reason,
+                self._safe(self.m.report_failure, r, "node", reason, when=now, detect_ms=since,
                            reporter=f"agent node {self.node} pid {os.getpid()}")
-            log(f"{reason}: ranks {lost} reported lost")
+            log(f"{reason}: ranks {lost} reported lost" if lost
+                else f"{reason}: its ranks were reported already")
 
     def _check_failure_budget(self) -> None:
         if self.aborted is not None:
@@ -643,18 +647,20 @@ class Agent:
             self._check_nodes(start)
             self._check_failure_budget()
             self._wait(POLL_S)
-        if self.aborted is not None and self.server is not None:
+        code = self._summary()
+        if self.server is not None:
             self._wait_for_agents(self.a.grace + 5.0)
-        return self._summary()
+        return code
 
     def _wait_for_agents(self, limit_s: float) -> None:
-        """The store host lingers until the other agents have finished (or are gone)."""
+        """The store host lingers until the other agents have read the store for the last time
+        (or are gone): they see the job's end within a poll of it, so `limit_s` is ample."""
         deadline = time.monotonic() + limit_s
         others = [n for n in range(self.a.nnodes) if n != self.node]
         while others and time.monotonic() < deadline and not self.store_broken:
             lost = self._safe(self.m.stale_nodes, nodes=others) or set()
             others = [n for n in others if n not in lost
-                      and not self._safe(self.store.check, [mb.key_agent_done(n)])]
+                      and not self._safe(self.store.check, [mb.key_agent_left(n)])]
             self._wait(POLL_S)
 
     def _summary(self) -> int:
@@ -666,6 +672,8 @@ class Agent:
             abort = self._safe(self.store.check, [mb.KEY_ABORT])
             if abort:
                 self.aborted = (self._safe(self.store.get, mb.KEY_ABORT) or b"").decode()
+        if not self.store_broken:    # the last read: a store host may go
+            self._safe(self.store.set, mb.key_agent_left(self.node), f"{time.time():.6f}")
         ok = bool(exits) and self.aborted is None and not self.store_broken
         same = self._same_exit_code(fails)
         if same is not None:
@@ -702,6 +710,7 @@ class Agent:
                            report=self.m is not None and not self.store_broken)
         if self.store is not None and not self.store_broken:
             self._safe(self.store.set, mb.key_agent_done(self.node), f"{time.time():.6f}")
+            self._safe(self.store.set, mb.key_agent_left(self.node), f"{time.time():.6f}")
         return 128 + int(sig)
 
 
