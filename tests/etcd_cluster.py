@@ -93,6 +93,19 @@ class EtcdCluster:
                                        f"{HEALTH_TIMEOUT_S:g} s:\n{self.log(m)[-2000:]}")
                 time.sleep(0.1)
 
+    def leader(self) -> int:
+        """Index of the member that leads the cluster now."""
+        for i, port in enumerate(self.client_ports):
+            if self.procs[i].poll() is not None:
+                continue
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v3/maintenance/status",
+                                         data=b"{}", method="POST")
+            with urllib.request.urlopen(req, timeout=5) as r:
+                status = json.loads(r.read())
+            if status["leader"] == status["header"]["member_id"]:
+                return i
+        raise RuntimeError("the etcd cluster has no leader")
+
     def log(self, member: int) -> str:
         return (self.root / f"{self.names[member]}.log").read_text()
 

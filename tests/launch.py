@@ -82,6 +82,87 @@ def _run(launcher: list[str], args: list[str], workdir: Path, timeout: float, na
     return Run(proc.returncode, out, err, events)
 
 
+@dataclass
+class NodesRun:
+    """A job of several chameleon-launch agents: each node's agent (its exit code, its output
+    and its workers') and the job's metrics (written by whichever rank leads)."""
+
+    agents: list[Run]
+    metrics: list[dict]
+
+    def losses(self) -> list[float]:
+        return [e["loss"] for e in self.metrics if e["event"] == "iteration"]
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in self.metrics if e["event"] == kind]
+
+    @property
+    def stdout(self) -> str:
+        return "".join(a.stdout for a in self.agents)
+
+
+def run_nodes(nnodes: int, nproc: int, args: list[str], workdir: Path, *, timeout: float = 300,
+              name: str = "job", port: int | None = None, store: str | None = None,
+              launcher_args: list[str] = ()) -> NodesRun:
+    """`nnodes` chameleon-launch agents on this host as the nodes of one job (node 0 hosts the
+    TCPStore on `port` unless `store` names one), `nproc` workers each; metrics go to
+    workdir/name.jsonl. Every agent and every worker it started is killed by PID / process
+    group at the end."""
+    metrics = workdir / f"{name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    port = port or free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs, outs = [], []
+    for node in range(nnodes):
+        out = [open(workdir / f"{name}.node{node}.{s}", "w+") for s in ("out", "err")]
+        cmd = [sys.executable, "-m", "chameleon_ext.launcher", "--nnodes", str(nnodes),
+               "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-addr",
+               "127.0.0.1", "--master-port", str(port),
+               *(["--store", store] if store else []), *launcher_args,
+               str(REPO / "pretrain_gpt.py"), *args, "--chameleon-metrics-file", str(metrics)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out[0], stderr=out[1],
+                                      text=True, start_new_session=True))
+        outs.append(out)
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                # Ctrl-C first: each agent then reaps its workers.
+                for q in procs:
+                    if q.poll() is None:
+                        q.send_signal(signal.SIGINT)
+                for q in procs:
+                    try:
+                        q.wait(30)
+                    except subprocess.TimeoutExpired:
+                        pass
+                raise AssertionError(f"{name} did not finish in {timeout} s\n"
+                                     + "".join(_read(e)[-2000:] for _, e in outs)) from None
+    finally:
+        for p, (_, err) in zip(procs, outs):
+            # The workers run in sessions of their own: by the PIDs their agent logged.
+            for pids in re.findall(r"\(pids ([\d, ]+)\)", _read(err)):
+                for pid in pids.split(","):
+                    kill_group(int(pid))
+            kill_group(p.pid)
+            p.wait(10)
+    agents = [Run(p.returncode, _read(o), _read(e), []) for p, (o, e) in zip(procs, outs)]
+    for o, e in outs:
+        o.close()
+        e.close()
+    events = [json.loads(line) for line in metrics.read_text().splitlines()] \
+        if metrics.exists() else []
+    return NodesRun(agents, events)
+
+
+def _read(f) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()
+
+
 def run_script(args: list[str], *, env: dict | None = None, timeout: float = 120
                ) -> subprocess.CompletedProcess:
     """A single process of pretrain_gpt.py (for flag errors), no torchrun."""
@@ -119,13 +200,18 @@ def read_csv(path: Path) -> list[dict]:
 @dataclass
 class LateKill:
     """tools/inject_failure.py run beside a job: it signals `rank` `delay_ms` after the rank
-    works past iteration `after` (a SIGKILL, or a SIGSTOP: a hang that stops heartbeats too)."""
+    works past iteration `after` (a SIGKILL, or a SIGSTOP: a hang that stops heartbeats too).
+    With `node`, `rank` names a node: its agent and all its workers are SIGKILLed once its first
+    worker works past `after`. `store`: the job's store address when it is not the node-0
+    agent's TCPStore on `port`."""
 
     port: int
     rank: int
     after: int
     delay_ms: float
     stop: bool = False
+    node: bool = False
+    store: str | None = None
     returncode: int | None = None
     stderr: str = ""
     signalled_at: float | None = None    # wall time of the signal, from the tool's log line
@@ -139,11 +225,13 @@ class LateKill:
     def _run(self) -> None:
         # The job's store appears once its agent runs: until then the tool finds no worker.
         deadline = time.monotonic() + 120
+        what = "--node" if self.node else "--stop" if self.stop else "--kill"
         while time.monotonic() < deadline:
             out = subprocess.run(
-                [sys.executable, "tools/inject_failure.py", "--store", f"127.0.0.1:{self.port}",
-                 "--stop" if self.stop else "--kill", str(self.rank), "--after-iteration",
-                 str(self.after), "--delay-ms", str(self.delay_ms), "--wait", "180"],
+                [sys.executable, "tools/inject_failure.py", "--store",
+                 self.store or f"127.0.0.1:{self.port}", what, str(self.rank),
+                 "--after-iteration", str(self.after), "--delay-ms", str(self.delay_ms),
+                 "--wait", "180"],
                 cwd=REPO, capture_output=True, text=True, timeout=240)
             if "is not in the store" in out.stderr or "no store" in out.stderr:
                 time.sleep(0.5)

@@ -6,6 +6,7 @@
                                               (its published progress), D ms later
     python tools/inject_failure.py --store ADDRESS --node NODE_RANK   SIGKILL a node: its agent
                                                                       and all of its workers
+        [--after-iteration N [--delay-ms D]]  ... once its first worker works past iteration N
     python tools/inject_failure.py --store ADDRESS --trace FILE       timed kills
 
 ADDRESS is the job's store, HOST:PORT or etcd://HOST:PORT,... (as given to chameleon-launch).
@@ -19,7 +20,8 @@ so that nobody on that node reports the workers' deaths; the other agents then s
 heartbeat go silent and report its ranks with cause "node". Killing node 0's agent ends a job
 whose store that agent hosts; with an etcd store (--store etcd://...) the job goes on.
 
-With --after-iteration the tool waits (up to --wait seconds) until the worker's progress,
+With --after-iteration the tool waits (up to --wait seconds) until the worker's (for --node: the
+node's first worker's) progress,
 published with its heartbeat (``chameleon/progress/{rank}``, within half a second), shows an
 iteration above N, then sleeps D milliseconds: a kill at an arbitrary instant of the iteration
 that follows, whatever the worker is doing then (a step, a save, an evaluation, a recovery).
@@ -157,17 +159,26 @@ def signal_worker(info: dict, sig: signal.Signals) -> bool:
     return True
 
 
-def kill_node(store, node: int, record: dict, world: int | None) -> bool:
-    """SIGKILL a node's agent, then its workers' process groups; False when none was running."""
+def node_workers(store, node: int, record: dict, world: int | None) -> list[dict]:
+    """The records of a node's workers (InputError when it runs on another host)."""
     if not _is_local(record["host"]):
         raise InputError(f"node {node} runs on host {record['host']}, not on "
                          f"{socket.gethostname()}: run {PROG} there")
-    infos = [worker(store, r, world) for r in record["ranks"]]
+    return [worker(store, r, world) for r in record["ranks"]]
+
+
+def kill_node(store, node: int, record: dict, infos: list[dict]) -> bool:
+    """SIGKILL a node's agent, then its workers' process groups; False when none was running.
+    The moment goes on the store as each worker's death announcement (what an injected fault
+    inside a worker writes), so that the job measures its detection from the kill itself."""
     agent = int(record["agent_pid"])
     killed = _alive(agent)
     if killed:
+        now = time.time()
+        for info in infos:
+            store.set(mb.key_dying(int(info["rank"])), f"{now:.6f}")
         os.kill(agent, signal.SIGKILL)
-        log(f"sent SIGKILL to the agent of node {node} (pid {agent})")
+        log(f"sent SIGKILL to the agent of node {node} (pid {agent}) at {now:.3f}")
     else:
         print(f"{PROG}: the agent of node {node} (pid {agent}) is not running", file=sys.stderr,
               flush=True)
@@ -194,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="SIGKILL a node's agent and all of its workers (a lost node)")
     g.add_argument("--trace", metavar="FILE", help="lines 'SECONDS RANK...' of timed kills")
     p.add_argument("--after-iteration", type=int, metavar="N", default=None,
-                   help="with --kill/--stop: wait until the worker works past iteration N")
+                   help="with --kill/--stop/--node: wait until the worker (the node's first) "
+                        "works past iteration N")
     p.add_argument("--delay-ms", type=float, metavar="D", default=0.0,
                    help="with --after-iteration: then wait D more milliseconds")
     p.add_argument("--wait", type=float, metavar="SECONDS", default=600.0,
@@ -230,8 +242,8 @@ def run(a: argparse.Namespace) -> int:
         v = getattr(a, name)
         if v is not None and v < 0:
             raise InputError(f"--{name} {v}: must be >= 0")
-    if a.after_iteration is not None and a.kill is None and a.stop is None:
-        raise InputError("--after-iteration goes with --kill or --stop")
+    if a.after_iteration is not None and a.trace is not None:
+        raise InputError("--after-iteration goes with --kill, --stop or --node")
     if a.after_iteration is not None and a.after_iteration < 0:
         raise InputError(f"--after-iteration {a.after_iteration}: must be >= 0")
     if not a.delay_ms >= 0 or a.delay_ms == float("inf"):
@@ -242,15 +254,21 @@ def run(a: argparse.Namespace) -> int:
     job = mb.job_info(store)
     world = int(job["world_size"]) if job else None
 
+    def after_iteration(rank: int) -> bool:
+        if a.after_iteration is None:
+            return True
+        if not await_iteration(store, rank, world, a.after_iteration, a.wait):
+            print(f"{PROG}: rank {rank} did not work past iteration {a.after_iteration} "
+                  f"within {a.wait:g} s", file=sys.stderr, flush=True)
+            return False
+        time.sleep(a.delay_ms / 1e3)
+        return True
+
     if a.kill is not None or a.stop is not None:
         rank = a.kill if a.kill is not None else a.stop
         info = worker(store, rank, world)
-        if a.after_iteration is not None:
-            if not await_iteration(store, rank, world, a.after_iteration, a.wait):
-                print(f"{PROG}: rank {rank} did not work past iteration {a.after_iteration} "
-                      f"within {a.wait:g} s", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(a.delay_ms / 1e3)
+        if not after_iteration(rank):
+            return 1
         return 0 if signal_worker(info, signal.SIGKILL if a.kill is not None
                                   else signal.SIGSTOP) else 1
 
@@ -259,7 +277,10 @@ def run(a: argparse.Namespace) -> int:
         if node is None:
             nn = f" (nodes: {job['nnodes']})" if job else ""
             raise InputError(f"node {a.node} is not in the store{nn}")
-        return 0 if kill_node(store, a.node, node, world) else 1
+        infos = node_workers(store, a.node, node, world)
+        if not after_iteration(int(node["ranks"][0])):
+            return 1
+        return 0 if kill_node(store, a.node, node, infos) else 1
 
     # --trace: check every rank first, then play the events.
     for _, ranks in events:

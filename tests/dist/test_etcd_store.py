@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from datetime import timedelta
 
 import pytest
@@ -130,23 +129,11 @@ def test_gloo_world_rendezvous_on_a_prefix_store_over_etcd(etcd):
 
 # ----------------------------------------------------------------------------- a member lost
 
-def _leader(cluster: EtcdCluster) -> int:
-    """Index of the member that leads the cluster now."""
-    for i, port in enumerate(cluster.client_ports):
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v3/maintenance/status",
-                                     data=b"{}", method="POST")
-        with urllib.request.urlopen(req, timeout=5) as r:
-            status = json.loads(r.read())
-        if status["leader"] == status["header"]["member_id"]:
-            return i
-    raise AssertionError("no leader")
-
-
 @pytest.mark.timeout(180)
 def test_operations_go_on_when_the_leader_is_sigkilled_midway(tmp_path):
     cluster = EtcdCluster(tmp_path)
     try:
-        leader = _leader(cluster)
+        leader = cluster.leader()
         # The client talks to the leader first: its loss is the worst case (an election too).
         order = [leader] + [i for i in range(3) if i != leader]
         url = f"etcd://{','.join(cluster.endpoints[i] for i in order)}/failover"
