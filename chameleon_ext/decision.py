@@ -42,7 +42,9 @@ class Decision:
     other strategy carries the ranks' state over (layers new to a rank come from a replica).
     `candidates` are the planner's ranked summaries (the metrics file's `recovery.candidates`);
     `scheduler`, `consumed_samples` and `joined` belong to an admission: the LR schedule's
-    state and the samples count that the joiners take, and the launch ranks admitted."""
+    state and the samples count that the joiners take, and the launch ranks admitted.
+    `participants`: the launch ranks that take the plan's ranks 0, 1, ... (None: the first
+    survivors, in order), chosen by a placement when the plan leaves some survivors out."""
 
     strategy: str
     plan: ExecutionPlan
@@ -53,6 +55,7 @@ class Decision:
     scheduler: dict | None = None
     consumed_samples: int | None = None
     joined: list[int] = field(default_factory=list)
+    participants: list[int] | None = None
 
     @property
     def restarts(self) -> bool:
@@ -65,14 +68,16 @@ class Decision:
                 "switch": None if self.switch is None else self.switch.to_dict(),
                 "candidates": self.candidates, "profile": self.profile,
                 "scheduler": self.scheduler, "consumed_samples": self.consumed_samples,
-                "joined": self.joined}
+                "joined": self.joined, "participants": self.participants}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
         return cls(d["strategy"], ExecutionPlan.from_dict(d["plan"]), d.get("predicted_iter_ms"),
                    None if d.get("switch") is None else Switch.from_dict(d["switch"]),
                    list(d.get("candidates") or []), d.get("profile"), d.get("scheduler"),
-                   d.get("consumed_samples"), [int(r) for r in d.get("joined") or []])
+                   d.get("consumed_samples"), [int(r) for r in d.get("joined") or []],
+                   None if d.get("participants") is None
+                   else [int(r) for r in d["participants"]])
 
 
 @dataclass

@@ -18,6 +18,10 @@ of ExecutionPlan.failure_free, so the losses are those of any other layout.
 
 The node of each rank comes from the launcher's records on the store (``chameleon/worker/{rank}``
 holds "node"; ``nodes_from_store``).
+
+A restart after a failure builds a fresh homogeneous plan in Megatron's order over fewer ranks;
+``spread_over`` chooses which survivors take it (as many nodes as possible, as evenly as
+possible) and places it the same way. The other strategies keep every survivor in its place.
 """
 
 from __future__ import annotations
@@ -34,20 +38,22 @@ PlacementKind = Literal["spread", "megatron"]
 PLACEMENTS: tuple[PlacementKind, ...] = ("spread", "megatron")
 
 
-def nodes_from_store(store, world_size: int, timeout_s: float = 60.0) -> dict[int, int]:
-    """rank -> node for ranks 0..world_size-1, from the launcher's worker records.
+def nodes_from_store(store, ranks: int | list[int], timeout_s: float = 60.0) -> dict[int, int]:
+    """rank -> node for `ranks` (a list of launch ranks, or a world size: ranks 0..n-1), from
+    the launcher's worker records.
 
     Each agent publishes its workers' records as it starts them, so a worker may ask before
     another node's agent has started: this waits up to `timeout_s` (the first rendezvous would
     wait for that node as long), then raises PlanError naming the ranks still unknown."""
-    keys = [membership.key_worker(r) for r in range(world_size)]
+    ranks = list(range(ranks)) if isinstance(ranks, int) else list(ranks)
+    keys = [membership.key_worker(r) for r in ranks]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except RuntimeError:     # DistStoreError: some never appeared
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
         raise PlanError(f"ranks {missing} have no worker record on the store after "
                         f"{timeout_s:g} s: their nodes are unknown") from None
-    return {r: int(json.loads(v)["node"]) for r, v in enumerate(store.multi_get(keys))}
+    return {r: int(json.loads(v)["node"]) for r, v in zip(ranks, store.multi_get(keys))}
 
 
 def place(kind: PlacementKind, nodes: dict[int, int], tensor_parallel: int,
@@ -63,9 +69,26 @@ def place(kind: PlacementKind, nodes: dict[int, int], tensor_parallel: int,
                         f"got ranks {sorted(nodes)}")
     plan = ExecutionPlan.failure_free(world, tensor_parallel, pipeline_parallel, num_layers,
                                       micro_batch_size, global_batch_size)
-    if kind == "megatron":
-        return plan
-    order = [r for group in _dealt_groups(nodes, tensor_parallel) for r in group]
+    return plan if kind == "megatron" else _spread(plan, nodes)
+
+
+def spread_over(plan: ExecutionPlan, members: list[int], nodes: dict[int, int]
+                ) -> tuple[ExecutionPlan, list[int]]:
+    """A fresh plan in Megatron's order (every stage with its ranks, place r held by rank r:
+    a restart's) over `plan.world_size` of `members` (launch ranks, each on node nodes[m]):
+    whole tensor-parallel groups chosen the spread way (from as many nodes as there are, the
+    node with the most left first), then placed the spread way among themselves. Returns the
+    placed plan, whose rank i is the i-th chosen member, and the chosen members (sorted)."""
+    groups = _dealt_groups({m: nodes[m] for m in members}, plan.tensor_parallel)
+    chosen = sorted(r for g in groups[:plan.world_size // plan.tensor_parallel] for r in g)
+    if len(chosen) != plan.world_size:
+        raise PlanError(f"a plan of {plan.world_size} ranks over {len(members)} members")
+    return _spread(plan, {i: nodes[m] for i, m in enumerate(chosen)}), chosen
+
+
+def _spread(plan: ExecutionPlan, nodes: dict[int, int]) -> ExecutionPlan:
+    """`plan` (in Megatron's order) with its places dealt over `nodes` (rank -> node)."""
+    order = [r for group in _dealt_groups(nodes, plan.tensor_parallel) for r in group]
     # Megatron's rank r sits at place r; `order` says who takes each place.
     placed = ExecutionPlan(
         plan.num_layers, plan.tensor_parallel, plan.micro_batch_size, plan.num_micro_batches,

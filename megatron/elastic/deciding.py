@@ -4,7 +4,9 @@ Only the agreement's leader decides; the others read its published `Verdict`. Th
 (chameleon_ext.planner) ranks every strategy's candidate with the live profile under `auto`
 (and predicts `reparallelize`'s mixes and `reroute+restart`'s hybrid); a forced strategy
 takes its own plan where it absorbs the failure, else `restart`, and is still predicted when
-there is a profile, so the log shows predicted beside measured.
+there is a profile, so the log shows predicted beside measured. Under the spread placement a
+restart's fresh plan is laid over the survivors' nodes the same way as the failure-free plan
+(chameleon_ext.placement.spread_over); every other strategy keeps each survivor in its place.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Callable
 from chameleon_ext import planner
 from chameleon_ext.decision import Decision, Switch, Verdict
 from chameleon_ext.perf_model import Profile
-from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.placement import spread_over
+from chameleon_ext.plan import ExecutionPlan, PlanError
 from chameleon_ext.planner import Situation
 from chameleon_ext.strategies.redundancy import shadow_pairs
 from chameleon_ext.strategies.rejoin import overlay
@@ -40,12 +43,16 @@ class Decider:
     eager: bool = False                 # --chameleon-redundancy eager: takeover by holders
     planning: Planning | None = None
     target: ExecutionPlan | None = None  # the failure-free plan: where a rejoin goes back to
+    placement: str = "megatron"         # --chameleon-placement
+    # launch ranks -> their nodes (placement.nodes_from_store over the job's store)
+    nodes: Callable[[list[int]], dict[int, int]] | None = None
 
     def after_failure(self, plan: ExecutionPlan, launch_ranks: list[int], lost: set[int],
                       iteration: int) -> Verdict:
         """The plan over the survivors of `plan` (whose rank r is launch rank
         launch_ranks[r]) without the ranks `lost`, after a failure during `iteration`."""
-        return self._after_failure(plan, lost, iteration, self._profile(plan, launch_ranks))
+        verdict = self._after_failure(plan, lost, iteration, self._profile(plan, launch_ranks))
+        return self._placed(verdict, [r for i, r in enumerate(launch_ranks) if i not in lost])
 
     def _after_failure(self, plan: ExecutionPlan, lost: set[int], iteration: int,
                        profile: Profile | None) -> Verdict:
@@ -82,7 +89,8 @@ class Decider:
         """A hybrid's planned second step, as planned when nobody was lost meanwhile."""
         if lost:
             return self.after_failure(plan, launch_ranks, lost, iteration + 1)
-        return Verdict(Decision(switch.strategy, switch.plan, switch.predicted_iter_ms))
+        return self._placed(Verdict(Decision(switch.strategy, switch.plan,
+                                             switch.predicted_iter_ms)), launch_ranks)
 
     def for_admission(self, plan: ExecutionPlan, launch_ranks: list[int], grown: list[int],
                       iteration: int, scheduler: dict, consumed: int) -> Verdict:
@@ -100,6 +108,19 @@ class Decider:
             verdict.decision.scheduler = scheduler
             verdict.decision.consumed_samples = consumed
             verdict.decision.joined = [r for r in grown if r not in launch_ranks]
+        return verdict
+
+    def _placed(self, verdict: Verdict, survivors: list[int]) -> Verdict:
+        """A restart's fresh plan (Megatron's order over the first survivors) chosen from and
+        placed over the survivors' nodes, under the spread placement."""
+        d = verdict.decision
+        if d is None or not d.restarts or self.placement != "spread" or self.nodes is None:
+            return verdict
+        try:
+            nodes = self.nodes(survivors)
+        except PlanError:       # a survivor without a launcher's record: Megatron's order
+            return verdict
+        d.plan, d.participants = spread_over(d.plan, survivors, nodes)
         return verdict
 
     def _profile(self, plan: ExecutionPlan, launch_ranks: list[int]) -> Profile | None:

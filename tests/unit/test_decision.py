@@ -1,5 +1,6 @@
-"""The leader's published verdict round-trips through JSON, and a plan whose layers no survivor
-holds is never chosen for a strategy that carries the ranks' state."""
+"""The leader's published verdict round-trips through JSON, a plan whose layers no survivor
+holds is never chosen for a strategy that carries the ranks' state, and under the spread
+placement a restart takes survivors from every node and keeps each stage's replicas apart."""
 
 import pytest
 
@@ -13,7 +14,7 @@ def test_a_verdict_round_trips_through_json():
     later = ExecutionPlan.failure_free(2, 1, 2, 4, 2, 16)
     d = Decision("reroute+restart", plan, 12.5, Switch("restart", 6, later, 10.0),
                  [{"strategy": "reroute", "predicted_iter_ms": 12.5}], "measured",
-                 {"num_steps": 64}, 96, [4])
+                 {"num_steps": 64}, 96, [4], [0, 2, 3])
     back = Verdict.from_json(Verdict(d).to_json()).decision
     assert back.to_dict() == d.to_dict()
     assert back.switch.plan.to_dict() == later.to_dict() and not back.restarts
@@ -37,3 +38,30 @@ def test_a_lost_stage_without_holders_falls_back_to_restart():
         verdict = Decider(strategy).after_failure(plan, [0, 1, 2, 3], {2}, 5)
         assert verdict.decision.strategy == "restart", strategy
         assert verdict.decision.plan.world_size <= 3
+
+
+def test_a_restart_under_spread_takes_survivors_from_every_node():
+    # pipeline 2 x data 3 on 2 nodes of 3 workers (launch ranks 0-2 on node 0, 3-5 on node 1),
+    # spread: stage 0 on 0, 3, 1; stage 1 on 4, 2, 5. Rank 5 lost, forced restart: 4 of the 5
+    # survivors, 2 from each node, each stage on both nodes.
+    node_of = {r: r // 3 for r in range(6)}
+    plan = ExecutionPlan.failure_free(6, 1, 2, 4, 2, 12)
+    decider = Decider("restart", placement="spread",
+                      nodes=lambda ranks: {r: node_of[r] for r in ranks})
+    d = decider.after_failure(plan, list(range(6)), {5}, 5).decision
+    assert d.strategy == "restart" and d.plan.world_size == 4
+    assert d.participants == [0, 1, 3, 4]
+    for p_ in d.plan.pipelines:
+        assert {node_of[d.participants[r]] for st in p_.stages for r in st.ranks} \
+            in ({0}, {1})                          # each pipeline inside one node
+    stages = {(st.layer_start, st.layer_end): set() for st in d.plan.pipelines[0].stages}
+    for p_ in d.plan.pipelines:
+        for st in p_.stages:
+            stages[(st.layer_start, st.layer_end)].update(node_of[d.participants[r]]
+                                                          for r in st.ranks)
+    assert all(nodes == {0, 1} for nodes in stages.values())
+    # Megatron's placement: the first 4 survivors, in Megatron's order (today's layout)
+    d = Decider("restart", nodes=lambda ranks: {r: node_of[r] for r in ranks}).after_failure(
+        plan, list(range(6)), {5}, 5).decision
+    assert d.participants is None and d.plan.to_dict()["pipelines"] == \
+        ExecutionPlan.failure_free(4, 1, 2, 4, 2, 12).to_dict()["pipelines"]
