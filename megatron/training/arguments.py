@@ -111,6 +111,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="JSON-lines events (iteration, failure, recovery)")
     g.add_argument("--chameleon-plan", default=None,
                    help="run this execution plan (JSON) instead of the homogeneous one")
+    g.add_argument("--chameleon-placement", choices=("spread", "megatron"), default=None,
+                   help="which rank takes which place under chameleon-launch: spread (each "
+                        "stage's replicas on different nodes; default with --chameleon) or "
+                        "megatron (Megatron's rank order)")
     g.add_argument("--chameleon-strategy",
                    choices=("auto", "reroute", "takeover", "reparallelize", "restart",
                             "reroute+restart"),
@@ -249,6 +253,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             parse_inject(spec)
         except FaultSpecError as e:
             raise ArgumentError(f"--chameleon-inject {spec!r}: {e}") from None
+    if args.chameleon_placement is None:
+        args.chameleon_placement = "spread" if args.chameleon else "megatron"
     need(args.chameleon_comm_timeout > 0, "--chameleon-comm-timeout must be positive")
     need(args.chameleon_progress_timeout is None or args.chameleon_progress_timeout > 0,
          "--chameleon-progress-timeout must be positive")

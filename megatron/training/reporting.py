@@ -48,14 +48,15 @@ class Reporter:
         else:
             print(text, flush=True)
 
-    def start(self, plan: ExecutionPlan, schedule, start: int, injected: int,
-              fused: str) -> None:
+    def start(self, plan: ExecutionPlan, placement: str | None, schedule, start: int,
+              injected: int, fused: str) -> None:
         a = self.args
         if self.lead:
             self.line(f"> plan: {plan.world_size} ranks, {len(plan.pipelines)} pipeline(s) x "
                       f"{len(plan.pipelines[0].stages)} stage(s), tensor parallel "
                       f"{plan.tensor_parallel}, {plan.num_micro_batches} micro-batches of "
-                      f"{plan.micro_batch_size} per iteration")
+                      f"{plan.micro_batch_size} per iteration"
+                      + (f"; {placement}" if placement else ""))
             self.line(f"> backend {a.distributed_backend}, transformer impl "
                       f"{a.transformer_impl}, fused kernels: {fused}")
             self.line(schedule_line(schedule))

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from chameleon_ext import comm, membership
+from chameleon_ext import comm, membership, placement
 from chameleon_ext.decision import Decision
 from chameleon_ext.faults import Injector
 from chameleon_ext.perf_model import ProfileError, predict_plan
@@ -81,8 +81,10 @@ class Providers:
 
 class Trainer:
     def __init__(self, args, plan: ExecutionPlan, tokenizer, injector: Injector,
-                 providers: Providers, transformer_config, optimizer_config) -> None:
+                 providers: Providers, transformer_config, optimizer_config,
+                 placement_line: str | None = None) -> None:
         self.args, self.injector = args, injector
+        self.placement_line = placement_line    # placement.describe's, when the plan was placed
         self.tied = not args.untie_embeddings_and_output_weights
         self.elastic = self._elastic(args, plan, injector) if args.chameleon else None
         joining = self.elastic is not None and self.elastic.joining
@@ -164,12 +166,16 @@ class Trainer:
                                comm_timeout_s=args.chameleon_comm_timeout,
                                progress_timeout_s=args.chameleon_progress_timeout,
                                save_timeout_s=args.chameleon_save_timeout)
-        return ElasticManager(config, injector, Decider(config.strategy, config.eager,
-                                                        target=plan))
+        manager = ElasticManager(config, injector, Decider(
+            config.strategy, config.eager, target=plan, placement=args.chameleon_placement))
+        # Every launch rank has its launcher's record before it starts: 5 s is ample.
+        manager.decider.nodes = lambda ranks: placement.nodes_from_store(manager.store, ranks,
+                                                                         timeout_s=5.0)
+        return manager
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
-        self.reporter.start(self.plan, self.built.schedule, self.start,
+        self.reporter.start(self.plan, self.placement_line, self.built.schedule, self.start,
                             len(self.injector.job_specs),
                             f"{'apex' if _has('apex') else 'torch fallbacks (no apex)'}, packed "
                             f"messages: {comm.backend()}")

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from chameleon_ext import membership, placement
 from chameleon_ext.faults import FaultSpecError, Injector, parse_injects
 from chameleon_ext.plan import ExecutionPlan, PlanError
 from megatron.elastic import parallel_state
@@ -101,6 +102,19 @@ def make_plan(args, world: int) -> ExecutionPlan:
                                       args.micro_batch_size, args.global_batch_size)
 
 
+def place_on_nodes(args, plan: ExecutionPlan) -> tuple[ExecutionPlan, str | None]:
+    """Under chameleon-launch, the failure-free plan with its places taken by --chameleon-placement
+    over the nodes the launcher recorded, and a line that says what a node's loss would take;
+    a --chameleon-plan runs as given. Only ranks are renamed: the losses do not change."""
+    if args.chameleon_plan or not os.environ.get(membership.STORE_ENV):
+        return plan, None
+    nodes = placement.nodes_from_store(membership.connect_store(), plan.world_size)
+    placed = placement.place(args.chameleon_placement, nodes, args.tensor_model_parallel_size,
+                             args.pipeline_model_parallel_size, args.num_layers,
+                             args.micro_batch_size, args.global_batch_size)
+    return placed, placement.describe(args.chameleon_placement, placed, nodes)
+
+
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, loss_func,
              argv: list[str] | None = None) -> dict:
     """Train; returns a summary dict (rank 0 also prints it)."""
@@ -110,13 +124,15 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # per-bucket parameter lists
     try:
         args = parse_args(argv)
-        plan = make_plan(args, args.world_size)
+        plan, placement_line = place_on_nodes(args, make_plan(args, args.world_size))
         tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                                     merge_file=args.merge_file,
                                     tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
         injector = Injector(parse_injects(args.chameleon_inject), int(os.environ.get("RANK", "0")))
     except (ArgumentError, PlanError, TokenizerError, FaultSpecError) as e:
         _fail(str(e))
+    except membership.MembershipError as e:    # the launcher's store is unreachable
+        _fail(str(e), code=1)
     if args.chameleon and not ElasticManager.available():
         _fail("--chameleon needs the job to run under chameleon-launch (no CHAMELEON_STORE)")
     args.padded_vocab_size = _pad_vocab(tokenizer.vocab_size, args)
@@ -124,7 +140,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         trainer = Trainer(args, plan, tokenizer, injector,
                           Providers(train_valid_test_datasets_provider, model_provider,
                                     forward_step, loss_func),
-                          transformer_config(args), optimizer_config(args))
+                          transformer_config(args), optimizer_config(args), placement_line)
         return trainer.train()
     except JobError as e:
         _fail(str(e), e.exit_code)
