@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.launch import free_port
+from tests.launch import free_ports
 
 # Bounds the start of the whole cluster (three processes, a first leader election) on a loaded
 # 2-core host; etcd itself needs about a second.
@@ -43,8 +43,8 @@ class EtcdCluster:
     def __init__(self, root: Path, size: int = 3):
         self.root = root
         self.names = [f"m{i}" for i in range(size)]
-        self.client_ports = [free_port() for _ in range(size)]
-        peer_ports = [free_port() for _ in range(size)]
+        ports = free_ports(2 * size)
+        self.client_ports, peer_ports = ports[:size], ports[size:]
         cluster = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, peer_ports))
         binary = etcd_binary()
         self.procs: list[subprocess.Popen] = []
