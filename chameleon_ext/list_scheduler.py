@@ -64,6 +64,14 @@ class _Unit:
 
 def list_schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool = False) -> Schedule:
     """The list schedule of `plan` under `costs` (see the module docstring)."""
+    return timed_list_schedule(plan, costs, split_backward)[0]
+
+
+def timed_list_schedule(plan: ExecutionPlan, costs: CostModel,
+                        split_backward: bool = False) -> tuple[Schedule, float]:
+    """list_schedule, and when its last forward or backward ends under `costs`: every op is
+    placed at the time the simulator starts it, so where reductions and optimizer steps cost
+    nothing this is the simulated iteration time, known without a simulation."""
     # The run allocates millions of small acyclic tuples; the collection passes they would
     # trigger traverse the whole (large) plan each time and can cost more than the scheduling.
     was_enabled = gc.isenabled()
@@ -75,7 +83,8 @@ def list_schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool = 
             gc.enable()
 
 
-def _schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool) -> Schedule:
+def _schedule(plan: ExecutionPlan, costs: CostModel,
+              split_backward: bool) -> tuple[Schedule, float]:
     paths, order = _paths_and_order(plan)
     units: dict[tuple[int, ...], _Unit] = {}
     for mb, path in enumerate(paths):
@@ -204,7 +213,7 @@ def _schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool) -> Sc
     for u in units.values():
         for t, rank in enumerate(u.ranks):
             out[rank] = _emit(u.ops, paths, t, tail)
-    return Schedule(out)
+    return Schedule(out), max((u.clock for u in units.values()), default=0.0)
 
 
 def _connected(path_units: list[list[int]], n: int) -> list[list[int]]:

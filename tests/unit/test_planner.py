@@ -119,15 +119,15 @@ def test_homogeneous_prediction_equals_the_whole_plans():
 
 def test_replan_finds_the_fastest_layout():
     plan, prof = pp2_dp4(), synthetic(allreduce_ms_per_mib=0.5)
-    best = replan(plan, 7, prof)
+    best = replan(plan, {7}, prof)
     t_best = predict_homogeneous(best, prof).iteration_ms
     for depth in range(1, 9):
         for dp in range(1, 7 // depth + 1):
             if 32 % dp == 0:
                 assert t_best <= predict_homogeneous(homogeneous(plan, depth, dp),
                                                      prof).iteration_ms + 1e-9
-    assert t_best <= predict_homogeneous(restart_plan(plan, 7), prof).iteration_ms
-    assert replan(plan, 0, prof) is None
+    assert t_best <= predict_homogeneous(restart_plan(plan, {7}), prof).iteration_ms
+    assert replan(plan, set(plan.ranks), prof) is None
 
 
 def test_balanced_layers_for_every_depth_minimise_the_costliest_stage():
@@ -167,13 +167,15 @@ def whole_prediction(plan: ExecutionPlan, prof: Profile):
     return predict(plan, choose_schedule(plan, fuse=False), prof)
 
 
-def exhaustive_replan(plan: ExecutionPlan, survivors: int, prof: Profile) -> ExecutionPlan:
+def exhaustive_replan(plan: ExecutionPlan, lost: set[int], prof: Profile) -> ExecutionPlan:
     """Every layout replan considers, each predicted whole."""
     best = None
+    groups = len(plan.surviving_groups(lost))
+    prof = prof.at_tensor_parallel(plan.tensor_parallel)
     for depth in range(1, plan.num_layers + 1):
-        for dp in range(1, survivors // depth + 1):
+        for dp in range(1, groups // depth + 1):
             if plan.num_micro_batches % dp == 0:
-                new = with_layers(homogeneous(plan, depth, dp),
+                new = with_layers(homogeneous(plan, depth, dp, lost),
                                   balanced_layers(plan.num_layers, depth, prof))
                 pred = whole_prediction(new, prof)
                 if prof.device_memory_bytes and \
@@ -206,7 +208,7 @@ def test_candidates_are_predicted_as_whole_plans_and_the_search_as_exhaustive(de
                 assert (c.iteration_ms, c.memory_bytes) == (whole.iteration_ms,
                                                             whole.peak_memory_bytes)
             restart = next(c for c in ranked if c.strategy == "restart")
-            assert restart.plan == exhaustive_replan(plan, plan.world_size - len(lost), prof)
+            assert restart.plan == exhaustive_replan(plan, lost, prof)
             assert choose(ranked) is ranked[0]
 
 

@@ -5,6 +5,7 @@ an untouched pipeline left where they were."""
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.strategies.reparallelize import (depth_mixes, pipeline_time, ranked_mixes,
                                                      reparallelize, split_micro_batches)
+from chameleon_ext.strategies.reroute import reroute
 
 
 def cost(layers: int, first: bool, last: bool) -> float:
@@ -45,6 +46,21 @@ def test_pp4_dp2_losing_a_middle_stage_keeps_the_untouched_pipeline():
     assert sum(best) == 7 and reparallelize(plan, {lost}, cost, even).world_size == 7
 
 
-def test_no_reparallelization_with_tensor_parallel_or_rerouted_stages():
-    plan = ExecutionPlan.failure_free(8, 2, 2, 8, 1, 32)
-    assert reparallelize(plan, {0}, cost, even) is None
+def test_no_reparallelization_from_rerouted_stages():
+    plan = reroute(ExecutionPlan.failure_free(8, 1, 2, 8, 1, 32), {0})
+    assert reparallelize(plan, {1}, cost, even) is None
+
+
+def test_tensor_parallel_groups_are_the_units():
+    """TP 2 x PP 4 x DP 2 losing one shard of pipeline 1's stage 2: its sibling leaves with it
+    and the 7 surviving groups form pipelines of 4 and 3 stages, each stage a whole old group."""
+    plan = ExecutionPlan.failure_free(16, 2, 4, 8, 1, 32)
+    lost = plan.pipelines[1].stages[2].ranks[1]
+    new = reparallelize(plan, {lost}, cost, even, mix=[4, 3])
+    kept = plan.survivors({lost})
+    assert new.tensor_parallel == 2 and new.world_size == 14 == len(kept)
+    old_groups = {tuple(kept.index(r) for r in g) for g in plan.surviving_groups({lost})}
+    assert {tuple(st.ranks) for p in new.pipelines for st in p.stages} == old_groups
+    assert [st.ranks for st in new.pipelines[0].stages] == \
+        [[kept.index(r) for r in st.ranks] for st in plan.pipelines[0].stages]
+    assert sorted(len(p.stages) for p in new.pipelines) == [3, 4]
