@@ -119,7 +119,9 @@ def _layout(plan: ExecutionPlan) -> str:
     depths = [len(p.stages) for p in plan.pipelines]
     if len(set(depths)) == 1:
         return f"{len(depths)} pipeline(s) x {depths[0]} stage(s)"
-    return f"{len(depths)} pipelines of {'+'.join(map(str, depths))} stages"
+    counts = {d: depths.count(d) for d in sorted(set(depths), reverse=True)}
+    return f"{len(depths)} pipelines of " + " + ".join(f"{n} x {d}" for d, n in counts.items()) \
+        + " stages"
 
 
 def horizon_iterations(situation: Situation, iteration_ms: float) -> float:
