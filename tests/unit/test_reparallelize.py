@@ -64,3 +64,28 @@ def test_tensor_parallel_groups_are_the_units():
     assert [st.ranks for st in new.pipelines[0].stages] == \
         [[kept.index(r) for r in st.ranks] for st in plan.pipelines[0].stages]
     assert sorted(len(p.stages) for p in new.pipelines) == [3, 4]
+
+
+def one_by_one(layouts: list[list[int]], total: int, stage_cost) -> list[int]:
+    """split_micro_batches' rule, literally: each micro-batch after the first of every
+    pipeline goes to the pipeline that would finish it first, the lower index on a tie."""
+    counts = [1] * len(layouts)
+    for _ in range(total - len(layouts)):
+        finish = [pipeline_time(lay, c + 1, stage_cost) for lay, c in zip(layouts, counts)]
+        counts[finish.index(min(finish))] += 1
+    return counts
+
+
+def test_the_split_level_by_level_is_the_split_micro_batch_by_micro_batch():
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        layouts = [[rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
+                   for _ in range(rng.randint(1, 9))]
+        total = len(layouts) + rng.randint(0, 40)
+        weight = rng.choice([0.0, 0.25, 1.0])
+
+        def stage_cost(n: int, first: bool, last: bool) -> float:
+            return weight * (n + 0.5 * first + 0.75 * last)
+        assert split_micro_batches(layouts, total, stage_cost) == \
+            one_by_one(layouts, total, stage_cost)
