@@ -14,7 +14,10 @@ the same op lists the executor runs. `predict_plan` takes the schedule the execu
 simulates only the pipelines that determine the result, exactly (the planner's fast path). Ranks
 that share compute (several CPU processes on fewer cores) are modelled as sharing a device: a
 host's `cores` are divided among the ranks placed on it, so per-op times grow by ranks / cores
-when there are more ranks than cores.
+when there are more ranks than cores. With tensor parallelism each rank is one shard: its ops
+cost the profile's compute split over the shards plus the all-reduces Megatron's layers do
+inside them, over the group's (intra-node) link (Profile.at_tensor_parallel); its memory is its
+shard of the stage's state and activations; and a group runs at its slowest rank's pace.
 
 This module imports only the standard library and chameleon_ext: never torch or megatron.
 """

@@ -436,3 +436,4 @@ def test_chameleon_plan_plans_tensor_parallel_jobs(capsys):
     assert {c["strategy"] for c in out["candidates"]} == {"reroute", "takeover",
                                                           "reparallelize", "restart"}
     assert out["plan"]["tensor_parallel"] == 2 and out["chosen"]["world"] == 6
+    assert out["members"] == [0, 1, 2, 3, 6, 7]
