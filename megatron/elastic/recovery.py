@@ -160,7 +160,7 @@ class Recovery:
 
         def decide(ag: membership.Agreement) -> str:
             lost = {i for i, r in enumerate(self.alive) if r not in ag.alive}
-            return self._choose(plan, lost, len(ag.alive), iteration)
+            return self._choose(plan, lost, self.alive, iteration)
 
         ag, choice, new_plan, rank, causes = self._reconfigure(self.alive, self.generation + 1,
                                                                decide, iteration)
@@ -201,8 +201,11 @@ class Recovery:
                                     f"{len(ag.alive)} survivor(s), not even one pipeline")
             choice = json.loads(text)
             new_plan = ExecutionPlan.from_dict(choice["plan"])
-            if new_plan.world_size < len(ag.alive):
-                ag = dataclasses.replace(ag, alive=ag.alive[:new_plan.world_size])
+            # new rank i is launch rank members[i]: with tensor parallelism a lost rank's
+            # group leaves whole, so the world is not always a prefix of the survivors
+            members = choice.get("members") or ag.alive[:new_plan.world_size]
+            if members != ag.alive:
+                ag = dataclasses.replace(ag, alive=members)
                 if self.launch_rank not in ag.alive:
                     raise NotNeeded(f"the {choice['strategy']} plan uses {new_plan.world_size} "
                                     f"of the survivors; launch rank {self.launch_rank} is not "
@@ -297,10 +300,11 @@ class Recovery:
         members = [self.alive.index(r) if r in self.alive else None for r in ag.alive]
         new, lost = overlay(self.target, plan, members)
         if lost:
-            decision = json.loads(self._choose(new, lost, len(ag.alive), iteration))
+            decision = json.loads(self._choose(new, lost, ag.alive, iteration))
         else:
             decision = self._forced("rejoin", new, new, set(), self.planning.profile(
                 plan, self.alive) if self.planning else None)
+            decision["members"] = list(ag.alive)
         decision.update(iteration=iteration, scheduler=scheduler,
                         joined=[r for r in ag.alive if r not in self.alive])
         return json.dumps(decision)
@@ -313,19 +317,21 @@ class Recovery:
         # which is what makes peers still blocked on us fail now instead of at their timeout.
         gc.collect()
 
-    def _choose(self, plan: ExecutionPlan, lost: set[int], survivors: int,
+    def _choose(self, plan: ExecutionPlan, lost: set[int], launch: list[int],
                 iteration: int) -> str:
-        """The leader's decision, as published (JSON: strategy, plan, the ranked candidates
-        with their predictions, and the switch of a hybrid), or "none".
+        """The leader's decision, as published (JSON: strategy, plan, the launch ranks of its
+        world in rank order, the ranked candidates with their predictions, and the switch of a
+        hybrid), or "none". `launch`: the launch rank of each rank of `plan`.
 
         `auto` ranks every strategy's candidate with the profile calibrated so far,
         `reparallelize` predicts its mixes of pipeline depths with it, and `reroute+restart`
         takes the hybrid where there is one (periodic saves, the next one within the horizon);
         before any calibration (a failure during the first iterations, no
         --chameleon-profile) `reparallelize` balances layers by count, and the others (or
-        without a hybrid) reroute. Forced: reroute (or takeover) where it absorbs the failure in every
-        rank (tensor-parallel siblings of a lost shard have no place in it), else restart; its plan
-        is still predicted when there is a profile, so the log shows predicted beside measured.
+        without a hybrid) reroute. Forced: reroute (or takeover) where it absorbs the failure,
+        else restart; its plan is still predicted when there is a profile, so the log shows
+        predicted beside measured. Every plan runs on whole tensor-parallel groups: a lost
+        rank's healthy siblings are not among the members (they leave, NotNeeded).
         """
         profile = self.planning.profile(plan, self.alive) if self.planning else None
         best = None
@@ -337,6 +343,9 @@ class Recovery:
             best = planner.choose(ranked)
             if best is None and self.strategy == "auto":
                 return "none"
+        def members(new: ExecutionPlan) -> list[int]:
+            return [launch[r] for r in plan.survivors(lost, new.world_size)]
+
         if best is not None:
             return json.dumps({
                 "strategy": best.strategy, "plan": best.plan.to_dict(),
@@ -345,7 +354,8 @@ class Recovery:
                     "strategy": best.switch.strategy, "at_iteration": best.switch.at_iteration,
                     "plan": best.switch.plan.to_dict(),
                     "predicted_iter_ms": best.switch.iteration_ms},
-                "candidates": [c.summary() for c in ranked], "profile": profile.source})
+                "candidates": [c.summary() for c in ranked], "profile": profile.source,
+                "members": members(best.plan)})
         new, strategy = None, self.strategy
         if self.strategy in ("reroute", "auto", "reroute+restart"):
             new, strategy = reroute(plan, lost, profile.rank_slowdown if profile else None), \
@@ -358,11 +368,12 @@ class Recovery:
             new = reparallelize(plan, lost, lambda n, first, last: float(n),
                                 lambda layers, d: [layers // d + (i < layers % d)
                                                    for i in range(d)])
-        if new is None or new.world_size != survivors:
-            new, strategy = restart_plan(plan, survivors), "restart"
+        if new is None:
+            new, strategy = restart_plan(plan, lost), "restart"
         if new is None:
             return "none"
-        return json.dumps(self._forced(strategy, new, plan, lost, profile))
+        return json.dumps({**self._forced(strategy, new, plan, lost, profile),
+                           "members": members(new)})
 
     def _forced(self, strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
                 profile: Profile | None) -> dict:
