@@ -23,12 +23,14 @@ after k iterations (the interrupted one, run again, included), costs
         + (horizon - k) x re-planned iteration
 
 and is a candidate only when k is within the horizon. A candidate whose predicted memory exceeds
-the device's is never chosen. With tensor parallelism the unit of every strategy is a
-tensor-parallel group: a group with a lost rank leaves the plan whole (its healthy ranks too),
-and every candidate runs on whole surviving groups, new rank i on plan.survivors(lost, its
-world size)[i]; the degree stays the plan's (no candidate re-shards). The layouts of the restart search are predicted in the order of a
+the device's is never chosen. The layouts of the restart search are predicted in the order of a
 lower bound on their iteration time, and the search stops at the first bound above the best
 prediction so far: the same choice as predicting every layout.
+
+With tensor parallelism the unit of every strategy is a tensor-parallel group: a group with a
+lost rank leaves the plan whole (its healthy ranks too), and every candidate runs on whole
+surviving groups, its new rank i on plan.survivors(lost, its world size)[i]. The degree stays
+the plan's: no candidate re-shards a replica to another degree.
 """
 
 from __future__ import annotations
