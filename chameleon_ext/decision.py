@@ -40,6 +40,9 @@ class Decision:
 
     `strategy` names how the state gets there: "restart" loads the latest checkpoint; every
     other strategy carries the ranks' state over (layers new to a rank come from a replica).
+    `members` are the launch ranks of the new world in rank order (new rank i is members[i]:
+    with tensor parallelism a lost rank's whole group leaves, so the world is not always a
+    prefix of the survivors; empty: the first plan.world_size of them).
     `candidates` are the planner's ranked summaries (the metrics file's `recovery.candidates`);
     `scheduler`, `consumed_samples` and `joined` belong to an admission: the LR schedule's
     state and the samples count that the joiners take, and the launch ranks admitted."""
@@ -53,6 +56,7 @@ class Decision:
     scheduler: dict | None = None
     consumed_samples: int | None = None
     joined: list[int] = field(default_factory=list)
+    members: list[int] = field(default_factory=list)
 
     @property
     def restarts(self) -> bool:
@@ -65,14 +69,15 @@ class Decision:
                 "switch": None if self.switch is None else self.switch.to_dict(),
                 "candidates": self.candidates, "profile": self.profile,
                 "scheduler": self.scheduler, "consumed_samples": self.consumed_samples,
-                "joined": self.joined}
+                "joined": self.joined, "members": self.members}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
         return cls(d["strategy"], ExecutionPlan.from_dict(d["plan"]), d.get("predicted_iter_ms"),
                    None if d.get("switch") is None else Switch.from_dict(d["switch"]),
                    list(d.get("candidates") or []), d.get("profile"), d.get("scheduler"),
-                   d.get("consumed_samples"), [int(r) for r in d.get("joined") or []])
+                   d.get("consumed_samples"), [int(r) for r in d.get("joined") or []],
+                   [int(r) for r in d.get("members") or []])
 
 
 @dataclass

@@ -26,6 +26,11 @@ and is a candidate only when k is within the horizon. A candidate whose predicte
 the device's is never chosen. The layouts of the restart search are predicted in the order of a
 lower bound on their iteration time, and the search stops at the first bound above the best
 prediction so far: the same choice as predicting every layout.
+
+With tensor parallelism the unit of every strategy is a tensor-parallel group: a group with a
+lost rank leaves the plan whole (its healthy ranks too), and every candidate runs on whole
+surviving groups, its new rank i on plan.survivors(lost, its world size)[i]. The degree stays
+the plan's: no candidate re-shards a replica to another degree.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from chameleon_ext.perf_model import (MIB, Prediction, Profile, allreduce_ms, predict_plan,
-                                      stage_param_count, stage_params, switch_ms,
+                                      stage_param_count, switch_ms,
                                       transition_ms)
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.schedule_choice import choose_schedule
@@ -119,7 +124,9 @@ def _layout(plan: ExecutionPlan) -> str:
     depths = [len(p.stages) for p in plan.pipelines]
     if len(set(depths)) == 1:
         return f"{len(depths)} pipeline(s) x {depths[0]} stage(s)"
-    return f"{len(depths)} pipelines of {'+'.join(map(str, depths))} stages"
+    counts = {d: depths.count(d) for d in sorted(set(depths), reverse=True)}
+    return f"{len(depths)} pipelines of " + " + ".join(f"{n} x {d}" for d, n in counts.items()) \
+        + " stages"
 
 
 def horizon_iterations(situation: Situation, iteration_ms: float) -> float:
@@ -136,17 +143,20 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
                strategies: tuple[str, ...] = STRATEGIES) -> list[Candidate]:
     """Every strategy's plan over the survivors of `plan` without the ranks `lost`, predicted,
     costed over the horizon, cheapest first (infeasible ones last). The profile's slow ranks
-    are those of `plan`; every strategy numbers the survivors densely in their old order."""
-    survivors = plan.world_size - len(lost)
-    if survivors <= 0:
+    are those of `plan`. The unit is a tensor-parallel group: every strategy removes each
+    group with a lost rank whole and numbers the ranks it keeps densely in their old order,
+    so a candidate's new rank i is plan.survivors(lost, its world size)[i]."""
+    kept = plan.survivors(lost)
+    if not kept:
         return []
     lost_ms = situation.failure_free_ms
     hybrid = "reroute+restart" in strategies
     rerouted = restarted = None
-    after = profile.for_survivors(lost)
+    profile = profile.at_tensor_parallel(plan.tensor_parallel)
+    after = profile.for_survivors(set(plan.ranks) - set(kept))
     if "reroute" in strategies or hybrid:
         new = reroute(plan, lost, profile.rank_slowdown)
-        if new is not None and new.world_size == survivors:
+        if new is not None:
             rerouted = _candidate("reroute", new, after,
                                   transition_ms(profile, lost_iterations=1, iteration_ms=lost_ms))
     took = took_all = None
@@ -154,7 +164,7 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
         eager = situation.eager_redundancy
         new = takeover(plan, lost, lambda n, first, last: stage_cost_ms(profile, n, first, last),
                        eager)
-        if new is not None and new.world_size == survivors:
+        if new is not None:
             took = _candidate("takeover", new, after, transition_ms(
                 profile, moved_bytes=moved_bytes(plan, new, lost, profile, eager),
                 lost_iterations=1, iteration_ms=lost_ms))
@@ -162,7 +172,7 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
         took_all = _reparallelized(plan, lost, profile, after, transition_ms(
             profile, lost_iterations=1, iteration_ms=lost_ms))
     if "restart" in strategies or hybrid:
-        found = _replan(plan, survivors, after)
+        found = _replan(plan, lost, after)
         if found is not None:
             new, pred = found
             lost_its = situation.iteration - situation.checkpoint_iteration
@@ -222,9 +232,9 @@ def _reparallelized(plan: ExecutionPlan, lost: set[int], profile: Profile, after
 
     if not reparallelize_applies(plan):
         return None
-    survivors = plan.world_size - len(lost)
     best = None
-    for mix in ranked_mixes(plan, survivors, cost, balance)[:REPARALLELIZE_PREDICTED]:
+    groups = len(plan.surviving_groups(lost))
+    for mix in ranked_mixes(plan, groups, cost, balance)[:REPARALLELIZE_PREDICTED]:
         new = reparallelize(plan, lost, cost, balance, mix)
         if new is None:
             continue
@@ -241,32 +251,39 @@ def _reparallelized(plan: ExecutionPlan, lost: set[int], profile: Profile, after
 def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
                 profile: Profile, eager: bool = False) -> int:
     """Parameters and Adam moments (12 bytes a parameter) of the layers each survivor holds
-    under `new` but did not under `plan` (survivors numbered densely in their old order);
-    `eager`: a rank also held the stages it kept shadow copies of."""
-    survivors = [r for r in plan.ranks if r not in lost]
+    under `new` but did not under `plan` (plan.survivors(lost) numbered densely in their old
+    order), its tensor-parallel shard of them; `eager`: a rank also held the stages it kept
+    shadow copies of."""
+    survivors = plan.survivors(lost, new.world_size)
     shape = profile.shape
     shadowed: dict[int, list[int]] = {}
     for owner, holder in shadow_pairs(plan) if eager else ():
         shadowed.setdefault(holder, []).append(owner)
     total = 0
-    for i, old in enumerate(survivors):
-        now = new.stage_of(i)
-        held = [old, *shadowed.get(old, [])]  # adjacent stages: one range of layers
-        start = min(plan.stage_of(r).layer_start for r in held)
-        end = max(plan.stage_of(r).layer_end for r in held)
-        overlap = max(0, min(end, now.layer_end) - max(start, now.layer_start))
-        extra = (now.num_layers - overlap) * shape.layer_params()
-        if new.is_first_stage(i) and not any(plan.is_first_stage(r) for r in held):
-            extra += shape.embedding_params()
-        if new.is_last_stage(i) and not any(plan.is_last_stage(r) for r in held):
-            extra += shape.vocab_size * shape.hidden_size * (not new.is_first_stage(i))
-        total += 12 * extra // plan.tensor_parallel
+    for p in new.pipelines:  # a group's shards move alike: costed once per stage
+        for s, st in enumerate(p.stages):
+            if not st.ranks:
+                continue
+            old = survivors[st.ranks[0]]
+            held = [old, *shadowed.get(old, [])]  # adjacent stages: one range of layers
+            start = min(plan.stage_of(r).layer_start for r in held)
+            end = max(plan.stage_of(r).layer_end for r in held)
+            overlap = max(0, min(end, st.layer_end) - max(start, st.layer_start))
+            extra = (st.num_layers - overlap) * shape.layer_params()
+            first, last = s == 0, s == len(p.stages) - 1
+            if first and not any(plan.is_first_stage(r) for r in held):
+                extra += shape.embedding_params()
+            if last and not any(plan.is_last_stage(r) for r in held):
+                extra += shape.vocab_size * shape.hidden_size * (not first)
+            total += len(st.ranks) * (12 * extra // plan.tensor_parallel)
     return total
 
 
 def _loaded_bytes(plan: ExecutionPlan, profile: Profile) -> int:
     """The checkpoint read of a restart onto `plan`: its largest rank's state."""
-    return max(stage_params(plan, r, profile.shape) for r in plan.ranks) * \
+    return max(stage_param_count(profile.shape, st.num_layers, s == 0, s == len(p.stages) - 1,
+                                 plan.tensor_parallel)
+               for p in plan.pipelines for s, st in enumerate(p.stages)) * \
         profile.bytes_per_param
 
 
@@ -294,22 +311,25 @@ def _hybrid(now: Candidate, then: Candidate, profile: Profile,
     return both
 
 
-def replan(plan: ExecutionPlan, survivors: int, profile: Profile) -> ExecutionPlan | None:
-    """The fastest predicted homogeneous plan over at most `survivors` ranks that fits in
-    memory: every pipeline depth and data-parallel width that divides the micro-batches, each
-    with its layers balanced (balanced_layers); ties go to restart_plan's order (more ranks,
-    then the depth closest to the old one). None when not even one pipeline fits."""
-    found = _replan(plan, survivors, profile)
+def replan(plan: ExecutionPlan, lost: set[int], profile: Profile) -> ExecutionPlan | None:
+    """The fastest predicted homogeneous plan over at most plan.survivors(lost) (whole
+    tensor-parallel groups, restart.homogeneous) that fits in memory: every pipeline depth and
+    data-parallel width that divides the micro-batches, each with its layers balanced
+    (balanced_layers); ties go to restart_plan's order (more ranks, then the depth closest to
+    the old one). None when not even one pipeline fits."""
+    found = _replan(plan, lost, profile)
     return found[0] if found else None
 
 
-def _replan(plan: ExecutionPlan, survivors: int,
+def _replan(plan: ExecutionPlan, lost: set[int],
             profile: Profile) -> tuple[ExecutionPlan, Prediction] | None:
     """replan's plan and its prediction."""
     tp, old_depth, mbs = plan.tensor_parallel, len(plan.pipelines[0].stages), \
         plan.num_micro_batches
+    profile = profile.at_tensor_parallel(tp)
     device = profile.device_memory_bytes
-    max_depth = min(plan.num_layers, survivors // tp)
+    groups = len(plan.surviving_groups(lost))
+    max_depth = min(plan.num_layers, groups)
     layouts = []
     for depth, sizes in enumerate(balanced_layers_by_depth(plan.num_layers, max_depth,
                                                            profile), 1):
@@ -318,7 +338,7 @@ def _replan(plan: ExecutionPlan, survivors: int,
                     for s, n in enumerate(sizes)) * profile.bytes_per_param
         if device and state > device:
             continue
-        for dp in range(1, survivors // (tp * depth) + 1):
+        for dp in range(1, groups // depth + 1):
             if mbs % dp == 0:
                 layouts.append((_iteration_bound(profile, sizes, dp, mbs // dp, tp),
                                 depth, dp, sizes))
@@ -327,7 +347,7 @@ def _replan(plan: ExecutionPlan, survivors: int,
         # the slack keeps a layout whose bound rounds above an equal prediction (a tie)
         if best is not None and bound > best[0] * (1 + 1e-9):
             break
-        new = with_layers(homogeneous(plan, depth, dp), sizes)
+        new = with_layers(homogeneous(plan, depth, dp, lost), sizes)
         pred = predict_plan(new, profile)
         if device and pred.peak_memory_bytes > device:
             continue
@@ -342,8 +362,9 @@ def _iteration_bound(profile: Profile, sizes: list[int], dp: int, m: int, tp: in
     layers, `m` micro-batches each: a stage starts when the first forward reaches it, then runs
     all m forwards and backwards, and the gradient of its last backward still passes every
     earlier stage before the first stage's reduction and optimizer step; each stage also ends
-    with its own. Compute at the speed of the fastest rank (shared cores only slow it)."""
-    p = profile
+    with its own. Compute at the speed of the fastest rank (shared cores only slow it), a
+    shard of `tp` with its tensor-parallel all-reduces."""
+    p = profile.at_tensor_parallel(tp)
     speed = min([1.0, *p.rank_slowdown.values()])
     msg = p.p2p_alpha_ms + p.p2p_ms_per_mib * p.shape.message_bytes() / MIB
     reach = back = first_tail = bound = 0.0
@@ -368,7 +389,8 @@ def _iteration_bound(profile: Profile, sizes: list[int], dp: int, m: int, tp: in
 
 
 def stage_cost_ms(profile: Profile, layers: int, first: bool, last: bool) -> float:
-    """Forward plus backward of one micro-batch on a stage of `layers` layers."""
+    """Forward plus backward of one micro-batch on a stage of `layers` layers (a shard at the
+    profile's tensor-parallel degree, Profile.at_tensor_parallel)."""
     p = profile
     per_layer = p.layer_fwd_ms + p.layer_bwd_input_ms + p.layer_bwd_weight_ms
     return layers * per_layer + first * (p.embedding_fwd_ms + p.embedding_bwd_ms) + \
@@ -441,7 +463,7 @@ def predicted(strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[
               profile: Profile, eager: bool = False) -> Candidate:
     """A forced strategy's plan `new` over the survivors of `plan` without `lost`, predicted
     (its transition cost is what the recovery measures; none is estimated here)."""
-    after = profile.for_survivors(lost)
+    after = profile.for_survivors(set(plan.ranks) - set(plan.survivors(lost)))
     c = _candidate(strategy, new, after, 0.0)
     if eager:
         _add_upkeep(c, after)

@@ -45,14 +45,20 @@ class Decider:
                       iteration: int) -> Verdict:
         """The plan over the survivors of `plan` (whose rank r is launch rank
         launch_ranks[r]) without the ranks `lost`, after a failure during `iteration`."""
-        return self._after_failure(plan, lost, iteration, self._profile(plan, launch_ranks))
+        verdict = self._after_failure(plan, lost, iteration, self._profile(plan, launch_ranks))
+        d = verdict.decision
+        if d is not None:
+            # Every plan runs on whole tensor-parallel groups, numbered in their old order: a
+            # lost rank's healthy siblings are not members (they leave, or stay spares).
+            d.members = [launch_ranks[r] for r in plan.survivors(lost, d.plan.world_size)]
+        return verdict
 
     def _after_failure(self, plan: ExecutionPlan, lost: set[int], iteration: int,
                        profile: Profile | None) -> Verdict:
         survivors = plan.world_size - len(lost)
         if not state_survives(plan, lost, self.eager):
             # Every holder of some layer is gone: only a checkpoint has it.
-            new = restart_plan(plan, survivors)
+            new = restart_plan(plan, lost)
             if new is None:
                 return self._none(lost, survivors)
             return Verdict(self._forced("restart", new, plan, lost, profile))
@@ -71,8 +77,8 @@ class Decider:
             if self.strategy == "auto":
                 return self._none(lost, survivors)
         new, strategy = self._forced_plan(plan, lost, profile)
-        if new is None or new.world_size != survivors:
-            new, strategy = restart_plan(plan, survivors), "restart"
+        if new is None:
+            new, strategy = restart_plan(plan, lost), "restart"
         if new is None:
             return self._none(lost, survivors)
         return Verdict(self._forced(strategy, new, plan, lost, profile))
@@ -82,7 +88,9 @@ class Decider:
         """A hybrid's planned second step, as planned when nobody was lost meanwhile."""
         if lost:
             return self.after_failure(plan, launch_ranks, lost, iteration + 1)
-        return Verdict(Decision(switch.strategy, switch.plan, switch.predicted_iter_ms))
+        return Verdict(Decision(switch.strategy, switch.plan, switch.predicted_iter_ms,
+                                members=[launch_ranks[r] for r in
+                                         plan.survivors(set(), switch.plan.world_size)]))
 
     def for_admission(self, plan: ExecutionPlan, launch_ranks: list[int], grown: list[int],
                       iteration: int, scheduler: dict, consumed: int) -> Verdict:
@@ -94,8 +102,14 @@ class Decider:
         members = [launch_ranks.index(r) if r in launch_ranks else None for r in grown]
         new, lost = overlay(self.target, plan, members)
         profile = self._profile(plan, launch_ranks)   # measured under the plan running now
-        verdict = self._after_failure(new, lost, iteration, profile) if lost else \
-            Verdict(self._forced("rejoin", new, new, set(), profile))
+        if lost:
+            verdict = self._after_failure(new, lost, iteration, profile)
+            if verdict.decision is not None:
+                verdict.decision.members = [
+                    grown[r] for r in new.survivors(lost, verdict.decision.plan.world_size)]
+        else:
+            verdict = Verdict(self._forced("rejoin", new, new, set(), profile))
+            verdict.decision.members = list(grown)
         if verdict.decision is not None:
             verdict.decision.scheduler = scheduler
             verdict.decision.consumed_samples = consumed

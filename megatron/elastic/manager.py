@@ -325,7 +325,7 @@ class ElasticManager:
                 generation, candidates = self.members.abandon(ag.generation), \
                     [r for r in ag.alive if r != ag.leader]
                 continue
-            participants = ag.alive[:decision.plan.world_size]
+            participants = decision.members or ag.alive[:decision.plan.world_size]
             if self.launch_rank not in participants:
                 # A spare: it leaves once the new world holds the state, or joins a retry.
                 self.tick(iteration, f"spare in generation {ag.generation}", waiting=True)
