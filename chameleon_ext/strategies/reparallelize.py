@@ -16,12 +16,16 @@ import dataclasses
 import heapq
 from typing import Callable, Sequence
 
+from chameleon_ext.perf_model import predict_plan
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.strategies.base import (Context, Proposal, balanced_layers_by_depth,
+                                          moved_bytes)
 
 # (layers, first, last) -> forward + backward ms of one micro-batch on such a stage
 StageCost = Callable[[int, bool, bool], float]
 # (layers, depth) -> layers per stage
 Balance = Callable[[int, int], list[int]]
+PREDICTED_MIXES = 3  # mixes of pipeline depths predicted, of those estimated fastest
 
 
 def pipeline_time(sizes: list[int], micro_batches: int, stage_cost: StageCost) -> float:
@@ -179,3 +183,41 @@ def reparallelize(plan: ExecutionPlan, failed: set[int] | list[int], stage_cost:
                                    zip(starts, sizes, chain)], list(range(mb, mb + count))))
         mb += count
     return dataclasses.replace(plan, pipelines=pipelines).renumbered()
+
+
+class Reparallelize:
+    """With a profile, the fastest predicted of the plans built from the PREDICTED_MIXES mixes
+    of depths estimated fastest, layers balanced by the profile's stage costs; without one,
+    the first mix with the layers as the cost, split evenly."""
+
+    name, restarts = "reparallelize", False
+
+    def propose(self, plan: ExecutionPlan, lost: set[int], ctx: Context) -> Proposal | None:
+        if not applies(plan):
+            return None
+        if ctx.profile is None:
+            new = reparallelize(plan, lost, ctx.stage_cost(),
+                                lambda layers, d: [layers // d + (i < layers % d)
+                                                   for i in range(d)])
+            return None if new is None else Proposal(new)
+        cost = ctx.stage_cost()
+        table = balanced_layers_by_depth(plan.num_layers, plan.num_layers, ctx.profile)
+
+        def balance(layers: int, depth: int) -> list[int]:
+            return table[depth - 1]
+
+        after = ctx.after(plan, lost)
+        best = None
+        groups = len(plan.surviving_groups(lost))
+        for mix in ranked_mixes(plan, groups, cost, balance)[:PREDICTED_MIXES]:
+            new = reparallelize(plan, lost, cost, balance, mix)
+            if new is None:
+                continue
+            pred = predict_plan(new, after)
+            if best is None or pred.iteration_ms < best.prediction.iteration_ms:
+                best = Proposal(new, pred)
+        return best
+
+    def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
+                    ctx: Context) -> int:
+        return moved_bytes(plan, new, lost, ctx.profile)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.strategies.base import Context, Proposal
 
 
 def reroute(plan: ExecutionPlan, failed: set[int] | list[int],
@@ -44,3 +45,15 @@ def reroute(plan: ExecutionPlan, failed: set[int] | list[int],
             st.hosts[mb] = list(host.ranks)
             load[id(host)] += 1
     return dataclasses.replace(plan, pipelines=pipelines).renumbered()
+
+
+class Reroute:
+    name, restarts = "reroute", False
+
+    def propose(self, plan: ExecutionPlan, lost: set[int], ctx: Context) -> Proposal | None:
+        new = reroute(plan, lost, ctx.profile.rank_slowdown if ctx.profile else None)
+        return None if new is None else Proposal(new)
+
+    def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
+                    ctx: Context) -> int:
+        return 0   # only activations and gradients travel

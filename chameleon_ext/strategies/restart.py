@@ -10,7 +10,11 @@ into new groups. The tensor-parallel degree stays the plan's (no re-sharding of 
 
 from __future__ import annotations
 
+from chameleon_ext.perf_model import (MIB, Prediction, Profile, allreduce_ms, predict_plan,
+                                      stage_param_count)
 from chameleon_ext.plan import ExecutionPlan, Pipeline, PlanError, Stage
+from chameleon_ext.strategies.base import (Context, Proposal, balanced_layers_by_depth,
+                                          with_layers)
 
 
 def restart_plan(plan: ExecutionPlan, lost: set[int] | list[int]) -> ExecutionPlan | None:
@@ -61,3 +65,98 @@ def homogeneous(plan: ExecutionPlan, depth: int, dp: int,
                         generation=plan.generation + 1)
     new.validate()
     return new
+
+
+def replan(plan: ExecutionPlan, lost: set[int], profile: Profile) -> ExecutionPlan | None:
+    """The fastest predicted homogeneous plan over at most plan.survivors(lost) (whole
+    tensor-parallel groups, restart.homogeneous) that fits in memory: every pipeline depth and
+    data-parallel width that divides the micro-batches, each with its layers balanced
+    (balanced_layers); ties go to restart_plan's order (more ranks, then the depth closest to
+    the old one). None when not even one pipeline fits."""
+    found = _replan(plan, lost, profile)
+    return found[0] if found else None
+
+
+def _replan(plan: ExecutionPlan, lost: set[int],
+            profile: Profile) -> tuple[ExecutionPlan, Prediction] | None:
+    """replan's plan and its prediction."""
+    tp, old_depth, mbs = plan.tensor_parallel, len(plan.pipelines[0].stages), \
+        plan.num_micro_batches
+    profile = profile.at_tensor_parallel(tp)
+    device = profile.device_memory_bytes
+    groups = len(plan.surviving_groups(lost))
+    max_depth = min(plan.num_layers, groups)
+    layouts = []
+    for depth, sizes in enumerate(balanced_layers_by_depth(plan.num_layers, max_depth,
+                                                           profile), 1):
+        # parameters, gradients and optimizer state alone: a lower bound on the memory
+        state = max(stage_param_count(profile.shape, n, s == 0, s == depth - 1, tp)
+                    for s, n in enumerate(sizes)) * profile.bytes_per_param
+        if device and state > device:
+            continue
+        for dp in range(1, groups // depth + 1):
+            if mbs % dp == 0:
+                layouts.append((_iteration_bound(profile, sizes, dp, mbs // dp, tp),
+                                depth, dp, sizes))
+    best: tuple[float, tuple, ExecutionPlan, Prediction] | None = None
+    for bound, depth, dp, sizes in sorted(layouts, key=lambda x: x[0]):
+        # the slack keeps a layout whose bound rounds above an equal prediction (a tie)
+        if best is not None and bound > best[0] * (1 + 1e-9):
+            break
+        new = with_layers(homogeneous(plan, depth, dp, lost), sizes)
+        pred = predict_plan(new, profile)
+        if device and pred.peak_memory_bytes > device:
+            continue
+        key = (pred.iteration_ms, (-depth * dp, abs(depth - old_depth), -depth))
+        if best is None or key < best[:2]:
+            best = (*key, new, pred)
+    return (best[2], best[3]) if best else None
+
+
+def _iteration_bound(profile: Profile, sizes: list[int], dp: int, m: int, tp: int) -> float:
+    """A lower bound on the predicted iteration time of `dp` pipelines whose stages hold `sizes`
+    layers, `m` micro-batches each: a stage starts when the first forward reaches it, then runs
+    all m forwards and backwards, and the gradient of its last backward still passes every
+    earlier stage before the first stage's reduction and optimizer step; each stage also ends
+    with its own. Compute at the speed of the fastest rank (shared cores only slow it), a
+    shard of `tp` with its tensor-parallel all-reduces."""
+    p = profile.at_tensor_parallel(tp)
+    speed = min([1.0, *p.rank_slowdown.values()])
+    msg = p.p2p_alpha_ms + p.p2p_ms_per_mib * p.shape.message_bytes() / MIB
+    reach = back = first_tail = bound = 0.0
+    for s, n in enumerate(sizes):
+        first, last = s == 0, s == len(sizes) - 1
+        fwd = (n * p.layer_fwd_ms + first * p.embedding_fwd_ms + last * p.head_fwd_ms) * speed
+        bwd = (n * (p.layer_bwd_input_ms + p.layer_bwd_weight_ms) + first * p.embedding_bwd_ms
+               + last * p.head_bwd_ms) * speed
+        params = stage_param_count(p.shape, n, first, last, tp)
+        tail = allreduce_ms(p, dp, params * 4) + p.optimizer_ms_per_mparam * params / 1e6 * speed
+        if first:
+            first_tail = tail
+        done = reach + m * (fwd + bwd)
+        bound = max(bound, done + tail, done + back + first_tail)
+        reach += fwd + msg
+        back += bwd + msg
+    # The overhead grows with the sharing of cores (perf_model.overhead_ms): at its least
+    # when positive, at the most the layout's ranks can share when negative.
+    ranks = dp * tp * len(sizes)
+    most = p.sharing(min(p.ranks_per_host or ranks, ranks))
+    return bound + p.iteration_overhead_ms * (most if p.iteration_overhead_ms < 0 else 1.0)
+
+
+class Restart:
+    """With a profile, the fastest predicted homogeneous plan over the survivors (replan);
+    without one, the one that uses the most of them (restart_plan)."""
+
+    name, restarts = "restart", True
+
+    def propose(self, plan: ExecutionPlan, lost: set[int], ctx: Context) -> Proposal | None:
+        if ctx.profile is None:
+            new = restart_plan(plan, lost)
+            return None if new is None else Proposal(new)
+        found = _replan(plan, lost, ctx.after(plan, lost))
+        return None if found is None else Proposal(*found)
+
+    def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
+                    ctx: Context) -> int:
+        return 0   # the state comes from the checkpoint

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.strategies.base import Context, Proposal, moved_bytes
 from chameleon_ext.strategies.redundancy import holder_stage
 
 
@@ -69,3 +70,15 @@ def takeover(plan: ExecutionPlan, failed: set[int] | list[int],
             del stages[i]
         p.stages = stages
     return dataclasses.replace(plan, pipelines=pipelines).renumbered()
+
+
+class Takeover:
+    name, restarts = "takeover", False
+
+    def propose(self, plan: ExecutionPlan, lost: set[int], ctx: Context) -> Proposal | None:
+        new = takeover(plan, lost, ctx.stage_cost() if ctx.profile else None, ctx.eager)
+        return None if new is None else Proposal(new)
+
+    def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
+                    ctx: Context) -> int:
+        return moved_bytes(plan, new, lost, ctx.profile, ctx.eager)

@@ -17,13 +17,9 @@ from chameleon_ext.decision import Decision, Switch, Verdict
 from chameleon_ext.perf_model import Profile
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.planner import Situation
+from chameleon_ext.strategies import REGISTRY, Context
 from chameleon_ext.strategies.redundancy import shadow_pairs
 from chameleon_ext.strategies.rejoin import overlay
-from chameleon_ext.strategies.reparallelize import reparallelize
-from chameleon_ext.strategies.reroute import reroute
-from chameleon_ext.strategies.restart import restart_plan
-from chameleon_ext.strategies.takeover import takeover
-
 
 @dataclass
 class Planning:
@@ -58,11 +54,11 @@ class Decider:
         survivors = plan.world_size - len(lost)
         if not state_survives(plan, lost, self.eager):
             # Every holder of some layer is gone: only a checkpoint has it.
-            new = restart_plan(plan, lost)
+            new, _ = self._restart(plan, lost, profile)
             if new is None:
                 return self._none(lost, survivors)
             return Verdict(self._forced("restart", new, plan, lost, profile))
-        if self.strategy in ("auto", "reroute+restart", "reparallelize") and profile is not None:
+        if self.strategy in ("auto", "reroute+restart") and profile is not None:
             ranked = planner.candidates(plan, lost, profile, self.planning.situation(iteration),
                                         planner.STRATEGIES if self.strategy == "auto"
                                         else (self.strategy,))
@@ -78,7 +74,7 @@ class Decider:
                 return self._none(lost, survivors)
         new, strategy = self._forced_plan(plan, lost, profile)
         if new is None:
-            new, strategy = restart_plan(plan, lost), "restart"
+            new, strategy = self._restart(plan, lost, profile)
         if new is None:
             return self._none(lost, survivors)
         return Verdict(self._forced(strategy, new, plan, lost, profile))
@@ -121,19 +117,20 @@ class Decider:
 
     def _forced_plan(self, plan: ExecutionPlan, lost: set[int], profile: Profile | None
                      ) -> tuple[ExecutionPlan | None, str]:
-        """The forced strategy's own plan (before any calibration, auto and the hybrid
-        reroute; reparallelize balances layers by count)."""
-        if self.strategy in ("reroute", "auto", "reroute+restart"):
-            return reroute(plan, lost, profile.rank_slowdown if profile else None), "reroute"
-        if self.strategy == "takeover":
-            return takeover(plan, lost, None if profile is None else
-                            lambda n, first, last: planner.stage_cost_ms(profile, n, first, last),
-                            self.eager), "takeover"
-        if self.strategy == "reparallelize":
-            return reparallelize(plan, lost, lambda n, first, last: float(n),
-                                 lambda layers, d: [layers // d + (i < layers % d)
-                                                    for i in range(d)]), "reparallelize"
-        return None, "restart"
+        """The forced strategy's own proposal (before any calibration, auto and the hybrid
+        reroute)."""
+        name = "reroute" if self.strategy in ("auto", "reroute+restart") else self.strategy
+        found = REGISTRY[name].propose(plan, lost, self._context(plan, profile))
+        return (None, name) if found is None else (found.plan, name)
+
+    def _restart(self, plan: ExecutionPlan, lost: set[int], profile: Profile | None
+                 ) -> tuple[ExecutionPlan | None, str]:
+        found = REGISTRY["restart"].propose(plan, lost, self._context(plan, profile))
+        return (None if found is None else found.plan), "restart"
+
+    def _context(self, plan: ExecutionPlan, profile: Profile | None) -> Context:
+        return Context(None if profile is None else profile.at_tensor_parallel(
+            plan.tensor_parallel), self.eager)
 
     def _forced(self, strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
                 profile: Profile | None) -> Decision:

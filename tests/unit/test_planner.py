@@ -7,9 +7,10 @@ import pytest
 from chameleon_ext.perf_model import (ModelShape, Profile, predict, predict_homogeneous,
                                       predict_plan, switch_ms, transition_ms)
 from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.planner import (Situation, _iteration_bound, balanced_layers,
-                                   balanced_layers_by_depth, candidates, choose, replan,
-                                   stage_cost_ms, with_layers)
+from chameleon_ext.planner import Situation, candidates, choose, replan
+from chameleon_ext.strategies.base import (balanced_layers, balanced_layers_by_depth,
+                                           stage_cost_ms, with_layers)
+from chameleon_ext.strategies.restart import _iteration_bound
 from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import one_f_one_b
 from chameleon_ext.strategies.restart import homogeneous, restart_plan
@@ -437,3 +438,20 @@ def test_chameleon_plan_plans_tensor_parallel_jobs(capsys):
                                                           "reparallelize", "restart"}
     assert out["plan"]["tensor_parallel"] == 2 and out["chosen"]["world"] == 6
     assert out["members"] == [0, 1, 2, 3, 6, 7]
+
+
+def test_the_planner_and_a_forced_strategy_take_the_same_proposal_from_the_registry():
+    """One registry: under auto each candidate's plan is exactly what the forced strategy of
+    that name proposes for the same loss and profile."""
+    from chameleon_ext.strategies import REGISTRY, Context
+    from megatron.elastic.deciding import Decider
+    plan, lost, prof = pp4_dp2(), {5}, synthetic()
+    ranked = candidates(plan, lost, prof, Situation(
+        iteration=10, checkpoint_iteration=5, remaining_iterations=100, failure_free_ms=60.0))
+    assert {c.strategy for c in ranked} >= set(REGISTRY)
+    for c in ranked:
+        if c.strategy in REGISTRY:
+            assert c.plan == REGISTRY[c.strategy].propose(plan, lost, Context(prof)).plan
+            forced = Decider(c.strategy).after_failure(plan, list(range(8)), lost, 10).decision
+            forced_plan = REGISTRY[c.strategy].propose(plan, lost, Context()).plan
+            assert forced.strategy == c.strategy and forced.plan == forced_plan

@@ -36,7 +36,7 @@ from chameleon_ext.strategies.redundancy import eager_cost
 from tools.reproduce.cluster import Setup
 from tools.reproduce.traces import Trace
 
-STATE_BYTES_PER_PARAM = 12             # parameter and two Adam moments (planner.moved_bytes)
+STATE_BYTES_PER_PARAM = 12             # parameter and two Adam moments (strategies.base.moved_bytes)
 
 
 @dataclass(frozen=True)
