@@ -566,7 +566,10 @@ class Membership:
             self._hb_thread.join(timeout=5)
             self._hb_thread = None
         if retire and self.rank is not None:
+            # done on purpose: neither stale nor, while the process exits, hung
+            self.progress = Progress(self.progress.iteration, self.progress.seq + 1, "done")
             try:
+                self.store.set(key_progress(self.rank), self.progress.to_json())
                 self.store.set(key_hb(self.rank), f"off:{time.time():.6f}")
             except Exception:
                 pass

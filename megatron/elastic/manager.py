@@ -224,8 +224,10 @@ class ElasticManager:
     def commit(self, iteration: int) -> bool:
         """The vote on the step of `iteration` (0-based, the executor's): True when every
         rank of this world applies it."""
+        # A voter's loss aborts the vote at once (its record, or a peer's notice); the bound
+        # only ends a silent stall, which its agent turns into a record well before it.
         ok = self.members.commit(self.generation, iteration + 1, self.alive,
-                                 self.config.comm_timeout_s)
+                                 self.config.agree_timeout_s)
         self.injector.maybe_fire(iteration + 1, "commit")
         if ok and self.launch_rank == self.alive[0] and iteration > 0:
             self.members.forget_commit(self.generation, iteration)
