@@ -347,10 +347,10 @@ class ElasticManager:
                 generation = self.members.abandon(ag.generation)
                 self._leave_world()
                 failed = self._failed_meanwhile(participants)
-                print(f"[chameleon] launch rank {self.launch_rank}: generation "
-                      f"{ag.generation} abandoned ({_first_line(e)}); lost meanwhile: "
-                      f"{failed or 'none seen yet'}; agreeing again as generation {generation}",
-                      flush=True)
+                if self.launch_rank == ag.leader:   # once per job, not once per survivor
+                    print(f"[chameleon] generation {ag.generation} abandoned "
+                          f"({_first_line(e)}); lost meanwhile: {failed or 'none seen yet'}; "
+                          f"agreeing again as generation {generation}", flush=True)
                 # An attempt that failed with nobody lost (a false alarm of a timeout on a
                 # loaded host) is tried again; the same failure three times over is a fault of
                 # the plan, not of a rank.
