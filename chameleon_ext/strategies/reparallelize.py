@@ -20,6 +20,7 @@ from chameleon_ext.perf_model import predict_plan
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.strategies.base import (Context, Proposal, balanced_layers_by_depth,
                                           moved_bytes)
+from chameleon_ext.strategies.restart import replanned
 
 # (layers, first, last) -> forward + backward ms of one micro-batch on such a stage
 StageCost = Callable[[int, bool, bool], float]
@@ -187,8 +188,11 @@ def reparallelize(plan: ExecutionPlan, failed: set[int] | list[int], stage_cost:
 
 class Reparallelize:
     """With a profile, the fastest predicted of the plans built from the PREDICTED_MIXES mixes
-    of depths estimated fastest, layers balanced by the profile's stage costs; without one,
-    the first mix with the layers as the cost, split evenly."""
+    of depths estimated fastest, layers balanced by the profile's stage costs, and of the
+    homogeneous plans over subsets of the survivors (restart's search, the state carried over
+    instead of loaded): Oobleck instantiates pipeline templates on any subset and leaves the
+    other GPUs idle, so a re-parallelization is never predicted slower than the restart
+    re-plan. Without a profile, the first mix with the layers as the cost, split evenly."""
 
     name, restarts = "reparallelize", False
 
@@ -216,6 +220,10 @@ class Reparallelize:
             pred = predict_plan(new, after)
             if best is None or pred.iteration_ms < best.prediction.iteration_ms:
                 best = Proposal(new, pred)
+        subset = replanned(plan, lost, after)
+        if subset is not None and (best is None or subset[1].iteration_ms
+                                   < best.prediction.iteration_ms):
+            best = Proposal(*subset)
         return best
 
     def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],

@@ -67,19 +67,13 @@ def homogeneous(plan: ExecutionPlan, depth: int, dp: int,
     return new
 
 
-def replan(plan: ExecutionPlan, lost: set[int], profile: Profile) -> ExecutionPlan | None:
+def replanned(plan: ExecutionPlan, lost: set[int],
+              profile: Profile) -> tuple[ExecutionPlan, Prediction] | None:
     """The fastest predicted homogeneous plan over at most plan.survivors(lost) (whole
-    tensor-parallel groups, restart.homogeneous) that fits in memory: every pipeline depth and
-    data-parallel width that divides the micro-batches, each with its layers balanced
-    (balanced_layers); ties go to restart_plan's order (more ranks, then the depth closest to
-    the old one). None when not even one pipeline fits."""
-    found = _replan(plan, lost, profile)
-    return found[0] if found else None
-
-
-def _replan(plan: ExecutionPlan, lost: set[int],
-            profile: Profile) -> tuple[ExecutionPlan, Prediction] | None:
-    """replan's plan and its prediction."""
+    tensor-parallel groups, homogeneous) that fits in memory, and its prediction: every
+    pipeline depth and data-parallel width that divides the micro-batches, each with its layers
+    balanced (base.balanced_layers); ties go to restart_plan's order (more ranks, then the
+    depth closest to the old one). None when not even one pipeline fits."""
     tp, old_depth, mbs = plan.tensor_parallel, len(plan.pipelines[0].stages), \
         plan.num_micro_batches
     profile = profile.at_tensor_parallel(tp)
@@ -154,7 +148,7 @@ class Restart:
         if ctx.profile is None:
             new = restart_plan(plan, lost)
             return None if new is None else Proposal(new)
-        found = _replan(plan, lost, ctx.after(plan, lost))
+        found = replanned(plan, lost, ctx.after(plan, lost))
         return None if found is None else Proposal(*found)
 
     def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],

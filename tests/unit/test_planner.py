@@ -455,3 +455,14 @@ def test_the_planner_and_a_forced_strategy_take_the_same_proposal_from_the_regis
             forced = Decider(c.strategy).after_failure(plan, list(range(8)), lost, 10).decision
             forced_plan = REGISTRY[c.strategy].propose(plan, lost, Context()).plan
             assert forced.strategy == c.strategy and forced.plan == forced_plan
+
+
+@pytest.mark.parametrize("lost", [{7}, {3}, {0, 5}])
+def test_reparallelize_is_never_predicted_slower_than_the_restart_replan(lost):
+    """Oobleck-like: pipelines over any subset of the survivors, idle GPUs allowed, so its
+    steady state is at least as fast as the homogeneous re-plan a restart would take."""
+    ranked = {c.strategy: c for c in candidates(
+        pp4_dp2(), lost, synthetic(layer_fwd_ms=3.0, head_fwd_ms=4.0), Situation(
+            iteration=10, checkpoint_iteration=5, remaining_iterations=100,
+            failure_free_ms=60.0), ("reparallelize", "restart"))}
+    assert ranked["reparallelize"].iteration_ms <= ranked["restart"].iteration_ms + 1e-9

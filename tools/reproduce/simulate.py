@@ -52,7 +52,8 @@ POLICIES = (
     Policy("auto", "auto (Chameleon)", STRATEGIES),
     Policy("oobleck", "reparallelize only (Oobleck-like)", ("reparallelize",)),
     Policy("recycle", "reroute only (ReCycle-like)", ("reroute",)),
-    Policy("bamboo", "takeover + eager redundancy (Bamboo-like)", ("takeover",), eager=True),
+    Policy("bamboo", "takeover + eager state replication (Bamboo-like)", ("takeover",),
+           eager=True),
     Policy("megatron", "checkpoint-restart (Megatron default)", ("restart",), relaunch=True),
 )
 

@@ -295,7 +295,8 @@ def traces_table(ctx: Context) -> Section:
         Table("table2_ratios", [("model", ""), ("tp", ""), ("trace", ""),
                                 ("auto / Oobleck-like", r), ("paper: auto / Oobleck", r),
                                 ("auto / ReCycle-like", r), ("paper: auto / ReCycle", r),
-                                ("auto / Bamboo-like", r), ("auto / Megatron restart", r)],
+                                ("auto / Bamboo-like (state replication)", r),
+                                ("auto / Megatron restart", r)],
               ratio_rows),
         Table("table2", [("model", ""), ("tp", ""), ("failure-free layout", ""), ("trace", ""),
                          ("failures", ""), ("policy", ""), ("samples/s", "{:.1f}"),
@@ -324,8 +325,10 @@ def traces_table(ctx: Context) -> Section:
         "with some back it moves to the policy's plan over the GPUs up when that pays within "
         "the next interval. Policies: **auto** (the planner's choice among every strategy and "
         "the reroute+restart hybrid), **Oobleck-like** (reparallelize only), **ReCycle-like** "
-        "(reroute only), **Bamboo-like** (takeover with eager redundancy: shadow copies kept "
-        "all the time, `strategies.redundancy.eager_cost`, `Situation(eager_redundancy=True)`), "
+        "(reroute only), **Bamboo-like, state replication** (takeover with eager redundancy: "
+        "each stage's parameters and Adam moments copied to its neighbour every iteration, "
+        "`strategies.redundancy.eager_cost`; Bamboo itself recomputes the neighbour's layers "
+        "on the same micro-batches instead, which is not modelled), "
         f"**Megatron restart** (checkpoint every {o.checkpoint_min:g} min, each recovery "
         f"relaunches the job: {o.restart_min:g} min, plus the work since the checkpoint). A "
         "policy whose strategy has no feasible plan falls back to restart (counted). The "
