@@ -869,7 +869,8 @@ class Membership:
             if self.store.check([f"{ns}/retry"]):
                 return int(_text(self.store.get(f"{ns}/retry")))
             if time.monotonic() > deadline:
-                raise AgreementTimeout(generation, timeout_s, [], [], [])
+                raise MembershipError(f"generation {generation}'s world was neither built nor "
+                                      f"abandoned within {timeout_s:g} s")
             time.sleep(poll_s)
 
     def ready(self, generation: int, ranks: list[int], timeout_s: float = 60.0,

@@ -166,3 +166,23 @@ def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
                 extra += shape.vocab_size * shape.hidden_size * (not first)
             total += len(st.ranks) * (12 * extra // plan.tensor_parallel)
     return total
+
+
+def state_survives(plan: ExecutionPlan, lost: set[int], eager: bool) -> bool:
+    """Whether the ranks of `plan` not in `lost` still hold every layer's state (each
+    tensor-parallel shard of it): on their own stages, or as eager redundancy's shadow copies."""
+    held: set[tuple[int, int]] = set()
+
+    def hold(rank: int) -> None:
+        st, t = plan.stage_of(rank), plan.position(rank).tp_rank
+        held.update((layer, t) for layer in range(st.layer_start, st.layer_end))
+
+    for r in plan.ranks:
+        if r not in lost:
+            hold(r)
+    if eager:
+        for owner, holder in shadow_pairs(plan):
+            if holder not in lost:
+                hold(owner)
+    return all((layer, t) in held for layer in range(plan.num_layers)
+               for t in range(plan.tensor_parallel))

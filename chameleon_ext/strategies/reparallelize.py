@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from chameleon_ext.perf_model import predict_plan
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.strategies.base import (Context, Proposal, balanced_layers_by_depth,
-                                          moved_bytes)
+                                          moved_bytes, state_survives)
 from chameleon_ext.strategies.restart import replanned
 
 # (layers, first, last) -> forward + backward ms of one micro-batch on such a stage
@@ -221,8 +221,11 @@ class Reparallelize:
             if best is None or pred.iteration_ms < best.prediction.iteration_ms:
                 best = Proposal(new, pred)
         subset = replanned(plan, lost, after)
-        if subset is not None and (best is None or subset[1].iteration_ms
-                                   < best.prediction.iteration_ms):
+        # The survivors it leaves idle go with their state: the ones it uses must hold it all.
+        if subset is not None and state_survives(
+                plan, set(plan.ranks) - set(plan.survivors(lost, subset[0].world_size)),
+                ctx.eager) and (best is None or subset[1].iteration_ms
+                                < best.prediction.iteration_ms):
             best = Proposal(*subset)
         return best
 

@@ -18,7 +18,7 @@ from chameleon_ext.perf_model import Profile
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.planner import Situation
 from chameleon_ext.strategies import REGISTRY, Context
-from chameleon_ext.strategies.redundancy import shadow_pairs
+from chameleon_ext.strategies.base import state_survives
 from chameleon_ext.strategies.rejoin import overlay
 
 @dataclass
@@ -41,12 +41,23 @@ class Decider:
                       iteration: int) -> Verdict:
         """The plan over the survivors of `plan` (whose rank r is launch rank
         launch_ranks[r]) without the ranks `lost`, after a failure during `iteration`."""
-        verdict = self._after_failure(plan, lost, iteration, self._profile(plan, launch_ranks))
+        profile = self._profile(plan, launch_ranks)
+        verdict = self._after_failure(plan, lost, iteration, profile)
         d = verdict.decision
-        if d is not None:
-            # Every plan runs on whole tensor-parallel groups, numbered in their old order: a
-            # lost rank's healthy siblings are not members (they leave, or stay spares).
-            d.members = [launch_ranks[r] for r in plan.survivors(lost, d.plan.world_size)]
+        if d is None:
+            return verdict
+        # Every plan runs on whole tensor-parallel groups, numbered in their old order: a lost
+        # rank's healthy siblings are not members (they leave, or stay spares).
+        used = plan.survivors(lost, d.plan.world_size)
+        if not d.restarts and not state_survives(plan, set(plan.ranks) - set(used), self.eager):
+            # Spares leave with their state: a plan that carries the state must hold it all.
+            new, _ = self._restart(plan, lost, profile)
+            if new is None:
+                return self._none(lost, plan.world_size - len(lost))
+            d = self._forced("restart", new, plan, lost, profile)
+            verdict = Verdict(d)
+            used = plan.survivors(lost, d.plan.world_size)
+        d.members = [launch_ranks[r] for r in used]
         return verdict
 
     def _after_failure(self, plan: ExecutionPlan, lost: set[int], iteration: int,
@@ -146,22 +157,3 @@ class Decider:
         return Verdict(unrecoverable=f"lost rank(s) {sorted(lost)}: no plan fits the "
                                      f"{survivors} survivor(s), not even one pipeline")
 
-
-def state_survives(plan: ExecutionPlan, lost: set[int], eager: bool) -> bool:
-    """Whether the survivors of `plan` still hold every layer's state (each tensor-parallel
-    shard of it): on their own stages, or as eager redundancy's shadow copies."""
-    held: set[tuple[int, int]] = set()
-
-    def hold(rank: int) -> None:
-        st, t = plan.stage_of(rank), plan.position(rank).tp_rank
-        held.update((layer, t) for layer in range(st.layer_start, st.layer_end))
-
-    for r in plan.ranks:
-        if r not in lost:
-            hold(r)
-    if eager:
-        for owner, holder in shadow_pairs(plan):
-            if holder not in lost:
-                hold(owner)
-    return all((layer, t) in held for layer in range(plan.num_layers)
-               for t in range(plan.tensor_parallel))

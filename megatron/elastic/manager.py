@@ -340,11 +340,13 @@ class ElasticManager:
                 continue
             try:
                 entered, rank = self._enter(ag, participants, decision, enter, iteration)
-            except (RuntimeError, membership.MembershipError) as e:
-                if isinstance(e, (Unrecoverable, membership.DivergedSteps,
-                                  membership.AgreementTimeout)):
-                    raise
+            except Exception as e:
+                # Whatever ends this attempt here, the others must not wait for this rank.
                 generation = self.members.abandon(ag.generation)
+                if not isinstance(e, (RuntimeError, membership.MembershipError)) or \
+                        isinstance(e, (Unrecoverable, membership.DivergedSteps,
+                                       membership.AgreementTimeout)):
+                    raise
                 self._leave_world()
                 failed = self._failed_meanwhile(participants)
                 if self.launch_rank == ag.leader:   # once per job, not once per survivor

@@ -5,7 +5,8 @@ import pytest
 
 from chameleon_ext.decision import Decision, Switch, Verdict
 from chameleon_ext.plan import ExecutionPlan
-from megatron.elastic.deciding import Decider, state_survives
+from chameleon_ext.strategies.base import state_survives
+from megatron.elastic.deciding import Decider
 
 
 def test_a_verdict_round_trips_through_json():
