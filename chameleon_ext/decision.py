@@ -40,11 +40,12 @@ class Decision:
 
     `strategy` names how the state gets there: "restart" loads the latest checkpoint; every
     other strategy carries the ranks' state over (layers new to a rank come from a replica).
+    `members` are the launch ranks of the new world in rank order (new rank i is members[i]:
+    with tensor parallelism a lost rank's whole group leaves, so the world is not always a
+    prefix of the survivors; empty: the first plan.world_size of them).
     `candidates` are the planner's ranked summaries (the metrics file's `recovery.candidates`);
     `scheduler`, `consumed_samples` and `joined` belong to an admission: the LR schedule's
-    state and the samples count that the joiners take, and the launch ranks admitted.
-    `participants`: the launch ranks that take the plan's ranks 0, 1, ... (None: the first
-    survivors, in order), chosen by a placement when the plan leaves some survivors out."""
+    state and the samples count that the joiners take, and the launch ranks admitted."""
 
     strategy: str
     plan: ExecutionPlan
@@ -55,7 +56,7 @@ class Decision:
     scheduler: dict | None = None
     consumed_samples: int | None = None
     joined: list[int] = field(default_factory=list)
-    participants: list[int] | None = None
+    members: list[int] = field(default_factory=list)
 
     @property
     def restarts(self) -> bool:
@@ -68,7 +69,7 @@ class Decision:
                 "switch": None if self.switch is None else self.switch.to_dict(),
                 "candidates": self.candidates, "profile": self.profile,
                 "scheduler": self.scheduler, "consumed_samples": self.consumed_samples,
-                "joined": self.joined, "participants": self.participants}
+                "joined": self.joined, "members": self.members}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
@@ -76,8 +77,7 @@ class Decision:
                    None if d.get("switch") is None else Switch.from_dict(d["switch"]),
                    list(d.get("candidates") or []), d.get("profile"), d.get("scheduler"),
                    d.get("consumed_samples"), [int(r) for r in d.get("joined") or []],
-                   None if d.get("participants") is None
-                   else [int(r) for r in d["participants"]])
+                   [int(r) for r in d.get("members") or []])
 
 
 @dataclass

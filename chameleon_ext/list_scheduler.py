@@ -64,6 +64,14 @@ class _Unit:
 
 def list_schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool = False) -> Schedule:
     """The list schedule of `plan` under `costs` (see the module docstring)."""
+    return timed_list_schedule(plan, costs, split_backward)[0]
+
+
+def timed_list_schedule(plan: ExecutionPlan, costs: CostModel,
+                        split_backward: bool = False) -> tuple[Schedule, float]:
+    """list_schedule, and when its last forward or backward ends under `costs`: every op is
+    placed at the time the simulator starts it, so where reductions and optimizer steps cost
+    nothing this is the simulated iteration time, known without a simulation."""
     # The run allocates millions of small acyclic tuples; the collection passes they would
     # trigger traverse the whole (large) plan each time and can cost more than the scheduling.
     was_enabled = gc.isenabled()
@@ -75,7 +83,8 @@ def list_schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool = 
             gc.enable()
 
 
-def _schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool) -> Schedule:
+def _schedule(plan: ExecutionPlan, costs: CostModel,
+              split_backward: bool) -> tuple[Schedule, float]:
     paths, order = _paths_and_order(plan)
     units: dict[tuple[int, ...], _Unit] = {}
     for mb, path in enumerate(paths):
@@ -99,11 +108,14 @@ def _schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool) -> Sc
     w_ops = [Op(OpKind.BWD_WEIGHT, mb) for mb in range(len(paths))] if split_backward else []
     compute, p2p = costs.compute, costs.p2p
 
-    # When the input of (mb, position) is on its unit: the producer's finish plus the message.
-    # The first stage's activations and the last stage's gradients are there from the start:
-    # -inf, so that max(clock, -inf) is the clock, as for the scan.
-    fwd_in = {(mb, 0): -math.inf for mb in range(len(paths))}
-    bwd_in = {(mb, len(path) - 1): -math.inf for mb, path in enumerate(paths)}
+    # When the input of (mb, position) is on its unit (fwd_in[mb][position]): the producer's
+    # finish plus the message, None while the producer is not placed. The first stage's
+    # activations and the last stage's gradients are there from the start: -inf, so that
+    # max(clock, -inf) is the clock, as for the scan.
+    fwd_in: list[list[float | None]] = [[-math.inf] + [None] * (len(path) - 1)
+                                        for path in paths]
+    bwd_in: list[list[float | None]] = [[None] * (len(path) - 1) + [-math.inf]
+                                        for path in paths]
 
     heap: list[tuple[float, int, int]] = []  # (start time, priority, unit index)
     current: list[tuple[float, int, int] | None] = [None] * len(by_index)  # each unit's entry
@@ -116,12 +128,14 @@ def _schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool) -> Sc
         best: float | None = None
         prio = 0
         if u.pending_bwd:
-            t = bwd_in.get(u.pending_bwd[0])
+            mb, k = u.pending_bwd[0]
+            t = bwd_in[mb][k]
             if t is not None:
                 best = t if t > clock else clock
         bwd_ready = best is not None
         if u.next_fwd < len(u.forwards) and held < u.limit:
-            t = fwd_in.get(u.forwards[u.next_fwd])
+            mb, k = u.forwards[u.next_fwd]
+            t = fwd_in[mb][k]
             if t is not None:
                 t = t if t > clock else clock
                 if best is None or t < best:  # a backward wins a tie
@@ -175,7 +189,7 @@ def _schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool) -> Sc
                 if k > 0:
                     dst = paths[mb][k - 1][0]
                     send = Op(OpKind.SEND_BWD, mb, dst)
-                    bwd_in[mb, k - 1] = end + p2p(lead, dst, send)
+                    bwd_in[mb][k - 1] = end + p2p(lead, dst, send)
                     u.ops.append((bwd_ops[mb], k, send))
                     refresh(i)
                     refresh(path_units[mb][k - 1])
@@ -190,7 +204,7 @@ def _schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool) -> Sc
                 if k + 1 < len(paths[mb]):
                     dst = paths[mb][k + 1][0]
                     send = Op(OpKind.SEND_FWD, mb, dst)
-                    fwd_in[mb, k + 1] = end + p2p(lead, dst, send)
+                    fwd_in[mb][k + 1] = end + p2p(lead, dst, send)
                     u.ops.append((fwd_ops[mb], k, send))
                     refresh(i)
                     refresh(path_units[mb][k + 1])
@@ -204,7 +218,31 @@ def _schedule(plan: ExecutionPlan, costs: CostModel, split_backward: bool) -> Sc
     for u in units.values():
         for t, rank in enumerate(u.ranks):
             out[rank] = _emit(u.ops, paths, t, tail)
-    return Schedule(out)
+    return Schedule(out), max((u.clock for u in units.values()), default=0.0)
+
+
+def whole_backward_bound(plan: ExecutionPlan, costs: CostModel) -> float:
+    """A lower bound on when the last forward or backward ends in any schedule of `plan` whose
+    backwards are whole (not split) under `costs`: each unit runs its forwards and backwards
+    one after another, its first op starting no earlier than the forwards before it on the
+    path of one of its micro-batches take, and its last one, a backward, still has to pass
+    the units before it on its micro-batch's path (messages cost at least nothing)."""
+    paths, _ = _paths_and_order(plan)
+    start: dict[tuple[int, ...], float] = {}
+    busy: dict[tuple[int, ...], float] = {}
+    drain: dict[tuple[int, ...], float] = {}
+    compute = costs.compute
+    for mb, path in enumerate(paths):
+        fwd, bwd = Op(OpKind.FWD, mb), Op(OpKind.BWD, mb)
+        before_fwd = before_bwd = 0.0
+        for group in path:
+            f, b = compute(group[0], fwd), compute(group[0], bwd)
+            busy[group] = busy.get(group, 0.0) + f + b
+            start[group] = min(start.get(group, math.inf), before_fwd)
+            drain[group] = min(drain.get(group, math.inf), before_bwd)
+            before_fwd += f
+            before_bwd += b
+    return max((start[g] + busy[g] + drain[g] for g in busy), default=0.0)
 
 
 def _connected(path_units: list[list[int]], n: int) -> list[list[int]]:

@@ -572,7 +572,10 @@ class Membership:
             self._hb_thread.join(timeout=5)
             self._hb_thread = None
         if retire and self.rank is not None:
+            # done on purpose: neither stale nor, while the process exits, hung
+            self.progress = Progress(self.progress.iteration, self.progress.seq + 1, "done")
             try:
+                self.store.set(key_progress(self.rank), self.progress.to_json())
                 self.store.set(key_hb(self.rank), f"off:{time.time():.6f}")
             except Exception:
                 pass
@@ -893,7 +896,8 @@ class Membership:
             if self.store.check([f"{ns}/retry"]):
                 return int(_text(self.store.get(f"{ns}/retry")))
             if time.monotonic() > deadline:
-                raise AgreementTimeout(generation, timeout_s, [], [], [])
+                raise MembershipError(f"generation {generation}'s world was neither built nor "
+                                      f"abandoned within {timeout_s:g} s")
             time.sleep(poll_s)
 
     def ready(self, generation: int, ranks: list[int], timeout_s: float = 60.0,

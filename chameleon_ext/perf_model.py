@@ -14,7 +14,10 @@ the same op lists the executor runs. `predict_plan` takes the schedule the execu
 simulates only the pipelines that determine the result, exactly (the planner's fast path). Ranks
 that share compute (several CPU processes on fewer cores) are modelled as sharing a device: a
 host's `cores` are divided among the ranks placed on it, so per-op times grow by ranks / cores
-when there are more ranks than cores.
+when there are more ranks than cores. With tensor parallelism each rank is one shard: its ops
+cost the profile's compute split over the shards plus the all-reduces Megatron's layers do
+inside them, over the group's (intra-node) link (Profile.at_tensor_parallel); its memory is its
+shard of the stage's state and activations; and a group runs at its slowest rank's pace.
 
 This module imports only the standard library and chameleon_ext: never torch or megatron.
 """
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.schedule_choice import choose_schedule
-from chameleon_ext.schedule_ir import COMPUTE, Op, OpKind, Schedule, one_f_one_b
+from chameleon_ext.schedule_ir import COMPUTE, Op, OpKind, Schedule
 from chameleon_ext.simulator import SimResult, reduction_components, simulate
 
 SOURCES = ("measured", "offline", "analytical")
@@ -125,14 +128,64 @@ class Profile:
     layer_activation_bytes: int = 0
     embedding_activation_bytes: int = 0
     head_activation_bytes: int = 0
+    # Tensor parallelism. The compute costs above are per shard of a layer split
+    # `tensor_parallel` ways, the tensor-parallel all-reduces inside each op included (what the
+    # timers of a job at that degree measure; analytical and offline profiles: 1, a whole
+    # layer). A plan of another degree is costed by at_tensor_parallel: the compute split
+    # evenly, plus the all-reduces of the activations (sequence x micro-batch x hidden) that
+    # Megatron's layers do (2 in each transformer layer's forward and 2 in its backward's input
+    # half, 1 in the vocabulary-parallel embedding's forward and 1 in the output layer's
+    # backward) as ring all-reduces over the group's link: intra-node (NVLink), `tp_alpha_ms`
+    # + `tp_ms_per_mib` per step.
+    tensor_parallel: int = 1
+    tp_alpha_ms: float = 0.0
+    tp_ms_per_mib: float = 0.0
+    # The calibration hook: one of those all-reduces at `tensor_parallel`, measured (the live
+    # calibration fills it from the timed collectives of the job's tensor-parallel group);
+    # negative: from the link parameters above, analytically.
+    tp_allreduce_ms: float = -1.0
     # rank -> how many times slower it computes than the costs above (a slow device); ranks
-    # of the plan the profile was measured under
+    # of the plan the profile was measured under. A tensor-parallel group runs at the pace of
+    # its slowest rank (lockstep_slowdown).
     rank_slowdown: dict[int, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ProfileError(f"profile source {self.source!r} is not one of {', '.join(SOURCES)}")
+        if self.tensor_parallel < 1:
+            raise ProfileError(f"profile tensor_parallel {self.tensor_parallel} is below 1")
+
+    def tp_allreduce(self, tensor_parallel: int) -> float:
+        """One all-reduce of a layer's activations over a tensor-parallel group of that size:
+        the measured one at the profile's own degree when there is one, else the ring over the
+        group's link."""
+        if tensor_parallel == self.tensor_parallel and self.tp_allreduce_ms >= 0:
+            return self.tp_allreduce_ms
+        return ring_allreduce_ms(tensor_parallel, self.shape.message_bytes(), self.tp_alpha_ms,
+                                 self.tp_ms_per_mib)
+
+    def at_tensor_parallel(self, tensor_parallel: int) -> "Profile":
+        """This profile's costs for the shards of a plan of `tensor_parallel` (itself at its own
+        degree): each op's compute without its all-reduces, split evenly over the shards, plus
+        the all-reduces at the new degree (see the fields). Memory per shard is the plan's
+        concern (stage_param_count, _memory)."""
+        if tensor_parallel == self.tensor_parallel:
+            return self
+        was, now = self.tp_allreduce(self.tensor_parallel), self.tp_allreduce(tensor_parallel)
+        scale = self.tensor_parallel / tensor_parallel
+
+        def shard(ms: float, allreduces: int) -> float:
+            return max(0.0, ms - allreduces * was) * scale + allreduces * now
+
+        return replace(
+            self, tensor_parallel=tensor_parallel, tp_allreduce_ms=now,
+            layer_fwd_ms=shard(self.layer_fwd_ms, 2),
+            layer_bwd_input_ms=shard(self.layer_bwd_input_ms, 2),
+            layer_bwd_weight_ms=shard(self.layer_bwd_weight_ms, 0),
+            embedding_fwd_ms=shard(self.embedding_fwd_ms, 1),
+            embedding_bwd_ms=shard(self.embedding_bwd_ms, 0),
+            head_fwd_ms=shard(self.head_fwd_ms, 0), head_bwd_ms=shard(self.head_bwd_ms, 1))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,8 +217,9 @@ class Profile:
             raise ProfileError(f"profile {path} is not JSON: {e}") from None
 
     def for_survivors(self, lost: set[int]) -> "Profile":
-        """This profile for a plan over the survivors of `lost`: slow ranks renumbered densely in
-        their old order, as every strategy renumbers the survivors."""
+        """This profile for a plan over the ranks not in `lost` (with tensor parallelism: every
+        rank of a group with a lost one, ExecutionPlan.survivors): slow ranks renumbered densely
+        in their old order, as every strategy renumbers the ranks it keeps."""
         if not self.rank_slowdown:
             return self
         return replace(self, rank_slowdown={
@@ -223,16 +277,18 @@ class ProfileCosts:
     def __init__(self, plan: ExecutionPlan, profile: Profile, *,
                  part_of: ExecutionPlan | None = None,
                  load: dict[int, float] | None = None) -> None:
-        self.profile = profile
+        tp = (part_of or plan).tensor_parallel
+        self.profile = profile = profile.at_tensor_parallel(tp)
         self.load = load or profile.host_load(plan)
-        self._slow = profile.rank_slowdown
+        self._slow = lockstep_slowdown(part_of or plan, profile.rank_slowdown)
         self._stage: dict[int, tuple[int, bool, bool]] = {
             r: (plan.stage_of(r).num_layers, plan.is_first_stage(r), plan.is_last_stage(r))
             for r in plan.ranks}
-        tp = (part_of or plan).tensor_parallel
         self._params = {r: stage_param_count(profile.shape, *self._stage[r], tp)
                         for r in plan.ranks}
-        self._segments = _segment_costs(plan, profile) if plan.misaligned_stages() else {}
+        whole = part_of or plan
+        self._segments = _segment_costs(plan, whole, profile) \
+            if whole.misaligned_stages() is not None else {}
         self._group_sizes: dict[int, int] = {}
         if part_of is not None:
             held: dict[tuple[int, int], int] = {}  # stages with ranks per layer range
@@ -276,29 +332,53 @@ class ProfileCosts:
                             self._params[ranks[0]] * 4)  # fp32 main grads
 
 
-def _segment_costs(plan: ExecutionPlan, profile: Profile) -> dict[tuple[int, ...], float]:
+def _segment_costs(plan: ExecutionPlan, whole: ExecutionPlan,
+                   profile: Profile) -> dict[tuple[int, ...], float]:
     """Each chain of a misaligned plan's gradient all-reduces (simulator.reduction_components)
-    -> its duration: every segment's all-reduce over the ranks holding it, in turn."""
-    shape = profile.shape
-    chain = reduction_components(plan)
+    -> its duration in `whole` (the plan, or the one it is a part of, whose chains hold its
+    chains' ranks and their twins): every segment's all-reduce over the ranks holding it, in
+    turn."""
+    shape, tp = profile.shape, whole.tensor_parallel
+    chain = reduction_components(whole)
+    stages = [st for p in whole.pipelines for st in p.stages if st.ranks]
     total: dict[tuple[int, ...], float] = {}
-    for t in range(plan.tensor_parallel):
-        for a, b in plan.segments():
-            members = plan.segment_ranks(a, b, t)
-            n = (b - a) * shape.layer_params() + (a == 0) * shape.embedding_params()
-            group = chain[members[0]]
-            total[group] = total.get(group, 0.0) + allreduce_ms(
-                profile, len(members), 4 * n // plan.tensor_parallel)
-    return total
+    for a, b in whole.segments():
+        holders = [st for st in stages if st.layer_start <= a and b <= st.layer_end]
+        n = (b - a) * shape.layer_params() + (a == 0) * shape.embedding_params()
+        ms = allreduce_ms(profile, len(holders), 4 * n // tp)
+        for t in range(tp):
+            group = chain[holders[0].ranks[t]]
+            total[group] = total.get(group, 0.0) + ms
+    by_rank = {r: ms for group, ms in total.items() for r in group}
+    return {group: by_rank[group[0]] for group in set(reduction_components(plan).values())}
 
 
 def allreduce_ms(profile: Profile, group: int, nbytes: int) -> float:
+    """The data-parallel gradient all-reduce of `nbytes` over `group` ranks."""
+    return ring_allreduce_ms(group, nbytes, profile.allreduce_alpha_ms,
+                             profile.allreduce_ms_per_mib)
+
+
+def ring_allreduce_ms(group: int, nbytes: int, alpha_ms: float, ms_per_mib: float) -> float:
     """Ring all-reduce: 2 (n - 1) steps, each moving nbytes / n over one link."""
     if group <= 1:
         return 0.0
-    steps = 2 * (group - 1)
-    return steps * (profile.allreduce_alpha_ms + profile.allreduce_ms_per_mib * nbytes /
-                    group / MIB)
+    return 2 * (group - 1) * (alpha_ms + ms_per_mib * nbytes / group / MIB)
+
+
+def lockstep_slowdown(plan: ExecutionPlan, slowdown: dict[int, float]) -> dict[int, float]:
+    """rank -> the slowdown of its tensor-parallel group (ranks of no slowed group left out):
+    its shards meet in every all-reduce inside a layer, so a group runs at its slowest rank's
+    pace."""
+    if not slowdown:
+        return {}
+    out = {}
+    for p in plan.pipelines:
+        for st in p.stages:
+            factor = max((slowdown.get(r, 1.0) for r in st.ranks), default=1.0)
+            if factor != 1.0:
+                out.update((r, factor) for r in st.ranks)
+    return out
 
 
 def stage_params(plan: ExecutionPlan, rank: int, shape: ModelShape) -> int:
@@ -363,15 +443,18 @@ def overhead_ms(profile: Profile, load: dict[int, float]) -> float:
 def _memory(plan: ExecutionPlan, res: SimResult, profile: Profile,
             tensor_parallel: int) -> dict[int, int]:
     """Per rank: parameters, gradients and optimizer state, and the activations of the most
-    micro-batches it held at once, each shard 1 / `tensor_parallel` of its stage's."""
+    micro-batches it held at once, each shard 1 / `tensor_parallel` of its stage's (measured
+    activations are a shard's at the profile's degree; the activations split with sequence
+    parallelism)."""
     shape = profile.shape
-    per_layer = profile.layer_activation_bytes or shape.layer_activation_bytes()
+    measured = profile.tensor_parallel  # a measured shard's bytes x this: the whole stage's
+    per_layer = profile.layer_activation_bytes * measured or shape.layer_activation_bytes()
     memory = {}
     for r in plan.ranks:
         layers = plan.stage_of(r).num_layers
         first, last = plan.is_first_stage(r), plan.is_last_stage(r)
-        kept = layers * per_layer + first * profile.embedding_activation_bytes + \
-            last * profile.head_activation_bytes
+        kept = layers * per_layer + (first * profile.embedding_activation_bytes +
+                                     last * profile.head_activation_bytes) * measured
         acts = res.peak_inflight[r] * kept // tensor_parallel
         params = stage_param_count(shape, layers, first, last, tensor_parallel)
         memory[r] = params * profile.bytes_per_param + acts
@@ -384,10 +467,10 @@ def predict_homogeneous(plan: ExecutionPlan, profile: Profile) -> Prediction:
 
 
 def planned_schedule(plan: ExecutionPlan) -> Schedule:
-    """The schedule the executor runs for `plan`, unfused (choose_schedule(plan, fuse=False),
-    whose fusion leaves the time unchanged): 1F1B, correct by construction, is not simulated
-    for a check; a list schedule is checked by choose_schedule."""
-    return choose_schedule(plan, fuse=False) if plan.rerouted else one_f_one_b(plan)
+    """The schedule the executor runs for `plan`, unfused (its fusion leaves the time
+    unchanged) and unchecked: both generators are correct by construction, and the schedule
+    that runs is checked when the executor builds it."""
+    return choose_schedule(plan, fuse=False, checked=False)
 
 
 def predict_plan(plan: ExecutionPlan, profile: Profile) -> Prediction:
@@ -396,14 +479,17 @@ def predict_plan(plan: ExecutionPlan, profile: Profile) -> Prediction:
     members; a pipeline that neither reroutes nor hosts rerouted work is scheduled and runs
     exactly like every other such pipeline with the same stages, micro-batch count and rank
     speeds. Likewise the tensor-parallel shards of a stage, each of which only talks to the
-    same shard of its neighbours and replicas, run alike unless their speeds differ. So the
-    rerouted pipelines and their hosts are simulated beside one pipeline of each other kind,
-    one shard of each stage where they are alike, every reduction costed for its whole group,
+    same shard of its neighbours and replicas, run alike (a group runs at its slowest rank's
+    pace). So the rerouted pipelines and their hosts are simulated beside one pipeline of each
+    other kind, one shard of each stage, every reduction costed for its whole group,
     and the ranks left out take their representative's memory and busy time. Exact: the same
     op lists and the same float operations as the whole plan's run (the bubble fraction, a
-    ratio of sums, to rounding). Ranks sharing cores slow each other across pipelines, so with
-    `cores` the whole plan is simulated."""
-    if profile.cores > 0 or plan.misaligned_stages() is not None:  # reductions chain pipelines
+    ratio of sums, to rounding). In a plan whose pipelines split the layers differently the
+    gradient all-reduces chain stages of several pipelines; a twin links to what its
+    representative links to, so each chain of the part is costed and waited for as its whole
+    chain. Ranks sharing cores slow each other across pipelines, so with `cores` the whole plan
+    is simulated."""
+    if profile.cores > 0:
         return predict(plan, planned_schedule(plan), profile, validate=False)
     part, twin = _representatives(plan, profile)
     if not twin:
@@ -428,9 +514,9 @@ def _representatives(plan: ExecutionPlan, profile: Profile) -> \
         tuple[ExecutionPlan, dict[int, int]]:
     """The part of `plan` that predict_plan simulates: the pipelines that reroute or host
     rerouted work, and the first pipeline of each kind of the others (stage layers,
-    micro-batch count, rank slowdowns), with only the first tensor-parallel shard of each stage
-    when no rank is slowed; micro-batches renumbered in their order, which keeps every tie of
-    the list scheduler. And each left-out rank -> its representative's rank."""
+    micro-batch count, the groups' slowdowns), with only the first tensor-parallel shard of
+    each stage; micro-batches renumbered in their order, which keeps every tie of the list
+    scheduler. And each left-out rank -> its representative's rank."""
     pipelines = plan.pipelines
     owner = {r: pi for pi, p in enumerate(pipelines) for st in p.stages for r in st.ranks}
     touched: set[int] = set()
@@ -439,8 +525,7 @@ def _representatives(plan: ExecutionPlan, profile: Profile) -> \
             if not st.ranks:
                 touched.add(pi)
                 touched.update(owner[ranks[0]] for ranks in st.hosts.values())
-    slow = profile.rank_slowdown
-    width = plan.tensor_parallel if slow else 1  # the shards simulated per stage
+    slow = lockstep_slowdown(plan, profile.rank_slowdown)
     kinds: dict[tuple, int] = {}
     keep: list[int] = []
     twin: dict[int, int] = {}
@@ -448,23 +533,19 @@ def _representatives(plan: ExecutionPlan, profile: Profile) -> \
         rep = pi
         if pi not in touched:
             kind = (len(p.micro_batches), tuple(
-                (st.layer_start, st.layer_end, tuple(slow.get(r, 1.0) for r in st.ranks))
-                for st in p.stages))
+                (st.layer_start, st.layer_end, slow.get(st.ranks[0], 1.0)) for st in p.stages))
             rep = kinds.setdefault(kind, pi)
         if rep == pi:
             keep.append(pi)
         for st, like in zip(p.stages, pipelines[rep].stages):
-            for t, r in enumerate(st.ranks):
-                q = like.ranks[t if t < width else 0]
-                if q != r:
-                    twin[r] = q
+            twin.update((r, like.ranks[0]) for r in st.ranks if r != like.ranks[0])
     if not twin:
         return plan, twin
     kept = sorted(mb for pi in keep for mb in pipelines[pi].micro_batches)
     new_id = {mb: i for i, mb in enumerate(kept)}
-    part = ExecutionPlan(plan.num_layers, width, plan.micro_batch_size, len(kept), [
-        Pipeline([Stage(st.layer_start, st.layer_end, st.ranks[:width],
-                        {new_id[mb]: h[:width] for mb, h in st.hosts.items()})
+    part = ExecutionPlan(plan.num_layers, 1, plan.micro_batch_size, len(kept), [
+        Pipeline([Stage(st.layer_start, st.layer_end, st.ranks[:1],
+                        {new_id[mb]: h[:1] for mb, h in st.hosts.items()})
                   for st in pipelines[pi].stages],
                  [new_id[mb] for mb in pipelines[pi].micro_batches])
         for pi in keep], plan.generation)
@@ -491,7 +572,8 @@ def switch_ms(profile: Profile, *, loaded_bytes: int = 0) -> float:
 @dataclass(frozen=True)
 class Device:
     """Peak dense FLOP/s at the training precision, the fraction of it a layer reaches, and the
-    bandwidths of the links used by pipeline messages and by gradient all-reduces."""
+    bandwidths of the links used by pipeline messages, by gradient all-reduces and inside a
+    tensor-parallel group (one node)."""
 
     name: str
     peak_tflops: float
@@ -500,13 +582,18 @@ class Device:
     allreduce_gbps: float              # GB/s per link of a data-parallel ring
     link_latency_us: float
     memory_gib: float
+    tp_gbps: float                     # GB/s per link of a tensor-parallel ring (NVLink)
+    tp_latency_us: float
 
 
 DEVICES = {
     # bf16 dense peaks from the vendors' data sheets; 400 Gb/s InfiniBand per GPU across nodes.
-    "H200": Device("H200", 989.0, 0.45, 50.0, 50.0, 10.0, 141.0),
-    "H100": Device("H100", 989.0, 0.45, 50.0, 50.0, 10.0, 80.0),
-    "A100": Device("A100", 312.0, 0.50, 25.0, 25.0, 10.0, 80.0),
+    # Inside a node, NVLink: nccl-tests' ring all-reduce reaches a bus bandwidth of some
+    # 450 GB/s on 8 H100 (NVLink 4) and 230 GB/s on 8 A100 (NVLink 3) at GB sizes; 80% of that
+    # for the tens of MiB of a layer's activations.
+    "H200": Device("H200", 989.0, 0.45, 50.0, 50.0, 10.0, 141.0, 360.0, 3.0),
+    "H100": Device("H100", 989.0, 0.45, 50.0, 50.0, 10.0, 80.0, 360.0, 3.0),
+    "A100": Device("A100", 312.0, 0.50, 25.0, 25.0, 10.0, 80.0, 185.0, 3.0),
 }
 
 
@@ -529,10 +616,12 @@ def analytical_profile(shape: ModelShape, device: str = "A100") -> Profile:
         optimizer_ms_per_mparam=16e6 / 2e12 * 1e3,
         p2p_alpha_ms=dev.link_latency_us / 1e3, p2p_ms_per_mib=link_ms_per_mib,
         allreduce_alpha_ms=dev.link_latency_us / 1e3, allreduce_ms_per_mib=ring_ms_per_mib,
+        tp_alpha_ms=dev.tp_latency_us / 1e3, tp_ms_per_mib=MIB / (dev.tp_gbps * 1e9) * 1e3,
         bytes_per_param=18 if shape.bytes_per_element == 2 else 16,
         device_memory_bytes=int(dev.memory_gib * 2 ** 30),
         notes=[f"analytical: {dev.peak_tflops:g} TFLOP/s x {dev.efficiency:g}, "
-               f"{dev.p2p_gbps:g} GB/s links"])
+               f"{dev.p2p_gbps:g} GB/s links, {dev.tp_gbps:g} GB/s in a tensor-parallel "
+               "group"])
 
 
 def fit_layer_costs(stages: list[tuple[int, bool, bool, float]], shape: ModelShape) -> \

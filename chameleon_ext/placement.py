@@ -32,7 +32,7 @@ from datetime import timedelta
 from typing import Literal
 
 from chameleon_ext import membership
-from chameleon_ext.plan import ExecutionPlan, Pipeline, PlanError, Stage
+from chameleon_ext.plan import ExecutionPlan, PlanError
 
 PlacementKind = Literal["spread", "megatron"]
 PLACEMENTS: tuple[PlacementKind, ...] = ("spread", "megatron")
@@ -72,17 +72,22 @@ def place(kind: PlacementKind, nodes: dict[int, int], tensor_parallel: int,
     return plan if kind == "megatron" else _spread(plan, nodes)
 
 
-def spread_over(plan: ExecutionPlan, members: list[int], nodes: dict[int, int]
+def spread_over(plan: ExecutionPlan, groups: list[list[int]], nodes: dict[int, int]
                 ) -> tuple[ExecutionPlan, list[int]]:
     """A fresh plan in Megatron's order (every stage with its ranks, place r held by rank r:
-    a restart's) over `plan.world_size` of `members` (launch ranks, each on node nodes[m]):
-    whole tensor-parallel groups chosen the spread way (from as many nodes as there are, the
-    node with the most left first), then placed the spread way among themselves. Returns the
-    placed plan, whose rank i is the i-th chosen member, and the chosen members (sorted)."""
-    groups = _dealt_groups({m: nodes[m] for m in members}, plan.tensor_parallel)
-    chosen = sorted(r for g in groups[:plan.world_size // plan.tensor_parallel] for r in g)
+    a restart's) over plan.world_size // tensor_parallel of `groups` (tensor-parallel groups
+    of launch ranks, rank m on node nodes[m]): the groups dealt from the nodes in turn (so from
+    as many nodes as there are, the node with the most left first), then placed the spread way
+    among themselves. Returns the placed plan, whose rank i is the i-th chosen launch rank, and
+    the chosen launch ranks (sorted)."""
+    queues: dict[int, list[list[int]]] = defaultdict(list)
+    for g in groups:
+        queues[nodes[min(g)]].append(sorted(g))
+    chosen = sorted(r for g in _deal(queues)[:plan.world_size // plan.tensor_parallel]
+                    for r in g)
     if len(chosen) != plan.world_size:
-        raise PlanError(f"a plan of {plan.world_size} ranks over {len(members)} members")
+        raise PlanError(f"a plan of {plan.world_size} ranks over groups of "
+                        f"{sum(map(len, groups))} ranks")
     return _spread(plan, {i: nodes[m] for i, m in enumerate(chosen)}), chosen
 
 
@@ -90,13 +95,7 @@ def _spread(plan: ExecutionPlan, nodes: dict[int, int]) -> ExecutionPlan:
     """`plan` (in Megatron's order) with its places dealt over `nodes` (rank -> node)."""
     order = [r for group in _dealt_groups(nodes, plan.tensor_parallel) for r in group]
     # Megatron's rank r sits at place r; `order` says who takes each place.
-    placed = ExecutionPlan(
-        plan.num_layers, plan.tensor_parallel, plan.micro_batch_size, plan.num_micro_batches,
-        [Pipeline([Stage(st.layer_start, st.layer_end, [order[r] for r in st.ranks])
-                   for st in p.stages], list(p.micro_batches)) for p in plan.pipelines],
-        plan.generation)
-    placed.validate()
-    return placed
+    return plan.relabelled({r: order[r] for r in plan.ranks})
 
 
 def _dealt_groups(nodes: dict[int, int], tensor_parallel: int) -> list[list[int]]:
@@ -111,12 +110,18 @@ def _dealt_groups(nodes: dict[int, int], tensor_parallel: int) -> list[list[int]
         queues[node] = [ranks[i:i + tensor_parallel] for i in range(0, whole, tensor_parallel)]
         leftover += ranks[whole:]
     spanning = [leftover[i:i + tensor_parallel] for i in range(0, len(leftover), tensor_parallel)]
+    return _deal(queues) + spanning
+
+
+def _deal(queues: dict[int, list[list[int]]]) -> list[list[int]]:
+    """The groups of every node's queue, dealt to the nodes in turn (each round, the node with
+    the most groups left first). Empties the queues."""
     dealt: list[list[int]] = []
     while any(queues.values()):
         for node in sorted(queues, key=lambda n: (-len(queues[n]), n)):
             if queues[node]:
                 dealt.append(queues[node].pop(0))
-    return dealt + spanning
+    return dealt
 
 
 def single_node_stages(plan: ExecutionPlan, nodes: dict[int, int]) -> list[tuple[int, int, int]]:

@@ -197,6 +197,53 @@ class ExecutionPlan:
         """Ranks of shard `tp_rank` that hold a last stage (final norm, output layer)."""
         return sorted(p.stages[-1].ranks[tp_rank] for p in self.pipelines if p.stages[-1].ranks)
 
+    # ---- tensor-parallel groups: the unit that fails and recovers ------------------------------
+    def tp_groups(self) -> list[list[int]]:
+        """The ranks of each stage that has ranks (one tensor-parallel group each), ordered by
+        their lowest rank."""
+        return sorted((list(st.ranks) for p in self.pipelines for st in p.stages if st.ranks),
+                      key=min)
+
+    def surviving_groups(self, lost: set[int] | list[int]) -> list[list[int]]:
+        """The tensor-parallel groups none of whose ranks is in `lost`, by lowest rank."""
+        lost = set(lost)
+        return [g for g in self.tp_groups() if not lost.intersection(g)]
+
+    def survivors(self, lost: set[int] | list[int], size: int | None = None) -> list[int]:
+        """The ranks a plan over the survivors of losing `lost` runs on, in the order of their
+        new numbers (new rank i is the i-th): the ranks of surviving_groups(lost). A group is
+        the unit that fails: its healthy ranks leave with a lost one (no group can run without
+        one of its shards). With `size` (a plan that uses fewer, such as a restart's), the
+        first size // tensor_parallel of those groups."""
+        groups = self.surviving_groups(lost)
+        if size is not None:
+            groups = groups[:size // self.tensor_parallel]
+        return sorted(r for g in groups for r in g)
+
+    # ---- derived plans ------------------------------------------------------------------------
+    def relabelled(self, mapping: dict[int, int], generation: int | None = None
+                   ) -> "ExecutionPlan":
+        """A new plan: this one with every rank r (of its stages and hosts) named mapping[r],
+        at `generation` (default: this one's), validated."""
+        def names(ranks: list[int]) -> list[int]:
+            return [mapping[r] for r in ranks]
+
+        pipelines = [Pipeline([Stage(st.layer_start, st.layer_end, names(st.ranks),
+                                     {mb: names(rs) for mb, rs in st.hosts.items()})
+                               for st in p.stages], list(p.micro_batches))
+                     for p in self.pipelines]
+        new = ExecutionPlan(self.num_layers, self.tensor_parallel, self.micro_batch_size,
+                            self.num_micro_batches, pipelines,
+                            self.generation if generation is None else generation)
+        new.validate()
+        return new
+
+    def renumbered(self) -> "ExecutionPlan":
+        """This plan as the successor of the one its ranks come from: its ranks numbered
+        densely in their order (as a recovery numbers its new world: new rank i is the i-th
+        rank it keeps, survivors()), the generation advanced, validated."""
+        return self.relabelled({r: i for i, r in enumerate(self.ranks)}, self.generation + 1)
+
     def _index(self) -> dict[int, RankPosition]:
         if not self._positions:
             for pi, p in enumerate(self.pipelines):

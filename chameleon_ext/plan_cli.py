@@ -8,6 +8,8 @@
 
 The profile is a measured one (saved by a run as profile.json next to its checkpoints, or by
 tools/profile_model.py) or, with --device, the analytical one of that device (labelled so).
+With --tensor-parallel > 1 a lost rank takes its whole tensor-parallel group out: the plans run
+on the other groups, the new rank i on the i-th rank of `members` (JSON).
 """
 
 from __future__ import annotations
@@ -114,18 +116,25 @@ def main(argv: list[str] | None = None) -> int:
                           "failure_free_iter_ms": round(before, 3), "search_ms": round(search_ms, 1),
                           "candidates": [c.summary() for c in ranked],
                           "chosen": best.summary() if best else None,
-                          "plan": best.plan.to_dict() if best else None}, indent=1))
+                          "plan": best.plan.to_dict() if best else None,
+                          "members": plan.survivors(lost, best.plan.world_size) if best
+                          else None}, indent=1))
         return 0 if best else 1
     print(f"profile: {profile.source} ({profile.device}); {plan.world_size} ranks, "
           f"{len(plan.pipelines)} pipeline(s) x {len(plan.pipelines[0].stages)} stage(s); "
           f"failure-free {before:.1f} ms/iteration; lost rank(s) {sorted(lost)}")
-    print(f"{'strategy':<10} | {'layout':<26} | {'ranks':>5} | {'iter ms':>9} | "
+    leaving = sorted(set(plan.ranks) - lost - set(plan.survivors(lost)))
+    if leaving:
+        print(f"tensor parallel {plan.tensor_parallel}: rank(s) {leaving} leave with their "
+              "groups")
+    print(f"{'strategy':<15} | {'layout':<36} | {'ranks':>5} | {'iter ms':>9} | "
           f"{'transition ms':>13} | {'memory MiB':>10} | {'total over horizon s':>20}")
     for c in ranked:
         s = c.summary()
         total = f"{s['total_ms'] / 1e3:.1f}" if s["total_ms"] is not None else "infeasible"
-        print(f"{c.strategy:<10} | {s['layout']:<26} | {s['world']:>5} | {c.iteration_ms:9.1f} | "
-              f"{c.transition_ms:13.1f} | {s['memory_mib']:10.1f} | {total:>20}")
+        print(f"{c.strategy:<15} | {s['layout']:<36} | {s['world']:>5} | "
+              f"{c.iteration_ms:9.1f} | {c.transition_ms:13.1f} | {s['memory_mib']:10.1f} | "
+              f"{total:>20}")
     print(f"chosen: {best.strategy if best else 'none (no feasible plan)'}; search took "
           f"{search_ms:.1f} ms")
     return 0 if best else 1

@@ -26,30 +26,28 @@ and is a candidate only when k is within the horizon. A candidate whose predicte
 the device's is never chosen. The layouts of the restart search are predicted in the order of a
 lower bound on their iteration time, and the search stops at the first bound above the best
 prediction so far: the same choice as predicting every layout.
+
+With tensor parallelism the unit of every strategy is a tensor-parallel group: a group with a
+lost rank leaves the plan whole (its healthy ranks too), and every candidate runs on whole
+surviving groups, its new rank i on plan.survivors(lost, its world size)[i]. The degree stays
+the plan's: no candidate re-shards a replica to another degree.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from chameleon_ext.perf_model import (MIB, Prediction, Profile, allreduce_ms, predict_plan,
-                                      stage_param_count, stage_params, switch_ms,
-                                      transition_ms)
-from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.perf_model import (MIB, Prediction, Profile, predict_plan, stage_param_count,
+                                      switch_ms, transition_ms)
+from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import Schedule
-from chameleon_ext.strategies.redundancy import eager_cost, shadow_pairs
-from chameleon_ext.strategies.reroute import reroute
-from chameleon_ext.strategies.restart import homogeneous
-from chameleon_ext.strategies.reparallelize import applies as reparallelize_applies
-from chameleon_ext.strategies.reparallelize import ranked_mixes, reparallelize
-from chameleon_ext.strategies.takeover import takeover
+from chameleon_ext.strategies import REGISTRY, Context
+from chameleon_ext.strategies.redundancy import eager_cost
 
-STRATEGIES = ("reroute", "takeover", "reparallelize", "restart", "reroute+restart")
-REPARALLELIZE_PREDICTED = 3  # mixes of pipeline depths predicted, of those estimated fastest
+STRATEGIES = (*REGISTRY, "reroute+restart")
 
 
 @dataclass
@@ -119,7 +117,9 @@ def _layout(plan: ExecutionPlan) -> str:
     depths = [len(p.stages) for p in plan.pipelines]
     if len(set(depths)) == 1:
         return f"{len(depths)} pipeline(s) x {depths[0]} stage(s)"
-    return f"{len(depths)} pipelines of {'+'.join(map(str, depths))} stages"
+    counts = {d: depths.count(d) for d in sorted(set(depths), reverse=True)}
+    return f"{len(depths)} pipelines of " + " + ".join(f"{n} x {d}" for d, n in counts.items()) \
+        + " stages"
 
 
 def horizon_iterations(situation: Situation, iteration_ms: float) -> float:
@@ -134,57 +134,56 @@ def horizon_iterations(situation: Situation, iteration_ms: float) -> float:
 
 def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation: Situation,
                strategies: tuple[str, ...] = STRATEGIES) -> list[Candidate]:
-    """Every strategy's plan over the survivors of `plan` without the ranks `lost`, predicted,
-    costed over the horizon, cheapest first (infeasible ones last). The profile's slow ranks
-    are those of `plan`; every strategy numbers the survivors densely in their old order."""
-    survivors = plan.world_size - len(lost)
-    if survivors <= 0:
+    """Every strategy's plan over the survivors of `plan` without the ranks `lost` (the
+    registry's proposals), predicted, costed over the horizon, cheapest first (infeasible ones
+    last). The profile's slow ranks are those of `plan`. The unit is a tensor-parallel group:
+    every strategy removes each group with a lost rank whole and numbers the ranks it keeps
+    densely in their old order, so a candidate's new rank i is plan.survivors(lost, its world
+    size)[i]."""
+    if not plan.survivors(lost):
         return []
     lost_ms = situation.failure_free_ms
     hybrid = "reroute+restart" in strategies
-    rerouted = restarted = None
-    after = profile.for_survivors(lost)
-    if "reroute" in strategies or hybrid:
-        new = reroute(plan, lost, profile.rank_slowdown)
-        if new is not None and new.world_size == survivors:
-            rerouted = _candidate("reroute", new, after,
-                                  transition_ms(profile, lost_iterations=1, iteration_ms=lost_ms))
-    took = took_all = None
-    if "takeover" in strategies:
-        eager = situation.eager_redundancy
-        new = takeover(plan, lost, lambda n, first, last: stage_cost_ms(profile, n, first, last),
-                       eager)
-        if new is not None and new.world_size == survivors:
-            took = _candidate("takeover", new, after, transition_ms(
-                profile, moved_bytes=moved_bytes(plan, new, lost, profile, eager),
-                lost_iterations=1, iteration_ms=lost_ms))
-    if "reparallelize" in strategies:
-        took_all = _reparallelized(plan, lost, profile, after, transition_ms(
-            profile, lost_iterations=1, iteration_ms=lost_ms))
-    if "restart" in strategies or hybrid:
-        found = _replan(plan, survivors, after)
-        if found is not None:
-            new, pred = found
-            lost_its = situation.iteration - situation.checkpoint_iteration
-            restarted = _candidate("restart", new, after, transition_ms(
-                profile, loaded_bytes=_loaded_bytes(new, profile), lost_iterations=lost_its,
-                iteration_ms=lost_ms), pred)
-    out = [c for c in (rerouted, took, took_all, restarted)
-           if c is not None and c.strategy in strategies]
+    profile = profile.at_tensor_parallel(plan.tensor_parallel)
+    ctx = Context(profile, situation.eager_redundancy)
+    after = ctx.after(plan, lost)
+    proposed: dict[str, Candidate] = {}
+    for name, strategy in REGISTRY.items():
+        if name not in strategies and not (hybrid and name in ("reroute", "restart")):
+            continue
+        found = strategy.propose(plan, lost, ctx)
+        if found is None:
+            continue
+        new = found.plan
+        proposed[name] = _candidate(name, new, after, transition_ms(
+            profile, moved_bytes=strategy.moved_bytes(plan, new, lost, ctx),
+            loaded_bytes=_loaded_bytes(new, profile) if strategy.restarts else 0,
+            lost_iterations=(situation.iteration - situation.checkpoint_iteration
+                             if strategy.restarts else 1), iteration_ms=lost_ms),
+            found.prediction)
+    out = [c for name, c in proposed.items() if name in strategies]
     if situation.eager_redundancy:
-        for c in (c for c in (took, took_all, restarted) if c is not None):
-            _add_upkeep(c, after)
+        for c in out:
+            if c.strategy != "reroute":   # a rerouted plan has stages without owners
+                _add_upkeep(c, after)
     pace = situation.failure_free_ms or min((c.iteration_ms for c in out if c.feasible),
                                             default=0.0)
     horizon = horizon_iterations(situation, pace)
     for c in out:
         if c.feasible:
             c.total_ms = c.transition_ms + horizon * c.iteration_ms
-    if hybrid and rerouted is not None and restarted is not None:
-        both = _hybrid(rerouted, restarted, profile, situation, horizon)
+    if hybrid and "reroute" in proposed and "restart" in proposed:
+        both = _hybrid(proposed["reroute"], proposed["restart"], profile, situation, horizon)
         if both is not None:
             out.append(both)
     return sorted(out, key=lambda c: (not c.feasible, c.total_ms))
+
+
+def replan(plan: ExecutionPlan, lost: set[int], profile: Profile) -> ExecutionPlan | None:
+    """The fastest predicted homogeneous plan over at most plan.survivors(lost) that fits in
+    memory (strategies.restart's search); None when not even one pipeline fits."""
+    found = REGISTRY["restart"].propose(plan, lost, Context(profile))
+    return None if found is None else found.plan
 
 
 def choose(ranked: list[Candidate]) -> Candidate | None:
@@ -208,65 +207,11 @@ def _add_upkeep(c: Candidate, profile: Profile) -> None:
                                  c.memory_bytes <= profile.device_memory_bytes)
 
 
-def _reparallelized(plan: ExecutionPlan, lost: set[int], profile: Profile, after: Profile,
-                    transition: float) -> Candidate | None:
-    """The fastest predicted of the re-parallelized plans over every survivor built from the
-    mixes of pipeline depths estimated fastest; its transition adds the state it moves."""
-    def cost(n: int, first: bool, last: bool) -> float:
-        return stage_cost_ms(profile, n, first, last)
-
-    table = balanced_layers_by_depth(plan.num_layers, plan.num_layers, profile)
-
-    def balance(layers: int, depth: int) -> list[int]:
-        return table[depth - 1]
-
-    if not reparallelize_applies(plan):
-        return None
-    survivors = plan.world_size - len(lost)
-    best = None
-    for mix in ranked_mixes(plan, survivors, cost, balance)[:REPARALLELIZE_PREDICTED]:
-        new = reparallelize(plan, lost, cost, balance, mix)
-        if new is None:
-            continue
-        c = _candidate("reparallelize", new, after, transition)
-        if best is None or c.iteration_ms < best.iteration_ms:
-            best = c
-    if best is not None:
-        best.transition_ms += transition_ms(
-            profile, moved_bytes=moved_bytes(plan, best.plan, lost, profile)) - \
-            transition_ms(profile)
-    return best
-
-
-def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
-                profile: Profile, eager: bool = False) -> int:
-    """Parameters and Adam moments (12 bytes a parameter) of the layers each survivor holds
-    under `new` but did not under `plan` (survivors numbered densely in their old order);
-    `eager`: a rank also held the stages it kept shadow copies of."""
-    survivors = [r for r in plan.ranks if r not in lost]
-    shape = profile.shape
-    shadowed: dict[int, list[int]] = {}
-    for owner, holder in shadow_pairs(plan) if eager else ():
-        shadowed.setdefault(holder, []).append(owner)
-    total = 0
-    for i, old in enumerate(survivors):
-        now = new.stage_of(i)
-        held = [old, *shadowed.get(old, [])]  # adjacent stages: one range of layers
-        start = min(plan.stage_of(r).layer_start for r in held)
-        end = max(plan.stage_of(r).layer_end for r in held)
-        overlap = max(0, min(end, now.layer_end) - max(start, now.layer_start))
-        extra = (now.num_layers - overlap) * shape.layer_params()
-        if new.is_first_stage(i) and not any(plan.is_first_stage(r) for r in held):
-            extra += shape.embedding_params()
-        if new.is_last_stage(i) and not any(plan.is_last_stage(r) for r in held):
-            extra += shape.vocab_size * shape.hidden_size * (not new.is_first_stage(i))
-        total += 12 * extra // plan.tensor_parallel
-    return total
-
-
 def _loaded_bytes(plan: ExecutionPlan, profile: Profile) -> int:
     """The checkpoint read of a restart onto `plan`: its largest rank's state."""
-    return max(stage_params(plan, r, profile.shape) for r in plan.ranks) * \
+    return max(stage_param_count(profile.shape, st.num_layers, s == 0, s == len(p.stages) - 1,
+                                 plan.tensor_parallel)
+               for p in plan.pipelines for s, st in enumerate(p.stages)) * \
         profile.bytes_per_param
 
 
@@ -294,154 +239,11 @@ def _hybrid(now: Candidate, then: Candidate, profile: Profile,
     return both
 
 
-def replan(plan: ExecutionPlan, survivors: int, profile: Profile) -> ExecutionPlan | None:
-    """The fastest predicted homogeneous plan over at most `survivors` ranks that fits in
-    memory: every pipeline depth and data-parallel width that divides the micro-batches, each
-    with its layers balanced (balanced_layers); ties go to restart_plan's order (more ranks,
-    then the depth closest to the old one). None when not even one pipeline fits."""
-    found = _replan(plan, survivors, profile)
-    return found[0] if found else None
-
-
-def _replan(plan: ExecutionPlan, survivors: int,
-            profile: Profile) -> tuple[ExecutionPlan, Prediction] | None:
-    """replan's plan and its prediction."""
-    tp, old_depth, mbs = plan.tensor_parallel, len(plan.pipelines[0].stages), \
-        plan.num_micro_batches
-    device = profile.device_memory_bytes
-    max_depth = min(plan.num_layers, survivors // tp)
-    layouts = []
-    for depth, sizes in enumerate(balanced_layers_by_depth(plan.num_layers, max_depth,
-                                                           profile), 1):
-        # parameters, gradients and optimizer state alone: a lower bound on the memory
-        state = max(stage_param_count(profile.shape, n, s == 0, s == depth - 1, tp)
-                    for s, n in enumerate(sizes)) * profile.bytes_per_param
-        if device and state > device:
-            continue
-        for dp in range(1, survivors // (tp * depth) + 1):
-            if mbs % dp == 0:
-                layouts.append((_iteration_bound(profile, sizes, dp, mbs // dp, tp),
-                                depth, dp, sizes))
-    best: tuple[float, tuple, ExecutionPlan, Prediction] | None = None
-    for bound, depth, dp, sizes in sorted(layouts, key=lambda x: x[0]):
-        # the slack keeps a layout whose bound rounds above an equal prediction (a tie)
-        if best is not None and bound > best[0] * (1 + 1e-9):
-            break
-        new = with_layers(homogeneous(plan, depth, dp), sizes)
-        pred = predict_plan(new, profile)
-        if device and pred.peak_memory_bytes > device:
-            continue
-        key = (pred.iteration_ms, (-depth * dp, abs(depth - old_depth), -depth))
-        if best is None or key < best[:2]:
-            best = (*key, new, pred)
-    return (best[2], best[3]) if best else None
-
-
-def _iteration_bound(profile: Profile, sizes: list[int], dp: int, m: int, tp: int) -> float:
-    """A lower bound on the predicted iteration time of `dp` pipelines whose stages hold `sizes`
-    layers, `m` micro-batches each: a stage starts when the first forward reaches it, then runs
-    all m forwards and backwards, and the gradient of its last backward still passes every
-    earlier stage before the first stage's reduction and optimizer step; each stage also ends
-    with its own. Compute at the speed of the fastest rank (shared cores only slow it)."""
-    p = profile
-    speed = min([1.0, *p.rank_slowdown.values()])
-    msg = p.p2p_alpha_ms + p.p2p_ms_per_mib * p.shape.message_bytes() / MIB
-    reach = back = first_tail = bound = 0.0
-    for s, n in enumerate(sizes):
-        first, last = s == 0, s == len(sizes) - 1
-        fwd = (n * p.layer_fwd_ms + first * p.embedding_fwd_ms + last * p.head_fwd_ms) * speed
-        bwd = (n * (p.layer_bwd_input_ms + p.layer_bwd_weight_ms) + first * p.embedding_bwd_ms
-               + last * p.head_bwd_ms) * speed
-        params = stage_param_count(p.shape, n, first, last, tp)
-        tail = allreduce_ms(p, dp, params * 4) + p.optimizer_ms_per_mparam * params / 1e6 * speed
-        if first:
-            first_tail = tail
-        done = reach + m * (fwd + bwd)
-        bound = max(bound, done + tail, done + back + first_tail)
-        reach += fwd + msg
-        back += bwd + msg
-    # The overhead grows with the sharing of cores (perf_model.overhead_ms): at its least
-    # when positive, at the most the layout's ranks can share when negative.
-    ranks = dp * tp * len(sizes)
-    most = p.sharing(min(p.ranks_per_host or ranks, ranks))
-    return bound + p.iteration_overhead_ms * (most if p.iteration_overhead_ms < 0 else 1.0)
-
-
-def stage_cost_ms(profile: Profile, layers: int, first: bool, last: bool) -> float:
-    """Forward plus backward of one micro-batch on a stage of `layers` layers."""
-    p = profile
-    per_layer = p.layer_fwd_ms + p.layer_bwd_input_ms + p.layer_bwd_weight_ms
-    return layers * per_layer + first * (p.embedding_fwd_ms + p.embedding_bwd_ms) + \
-        last * (p.head_fwd_ms + p.head_bwd_ms)
-
-
-def balanced_layers(num_layers: int, depth: int, profile: Profile) -> list[int]:
-    """Layers per stage (contiguous ranges, each at least one) minimising the costliest stage:
-    a dynamic program over (stages used, layers used); ties keep earlier stages smaller."""
-    return balanced_layers_by_depth(num_layers, depth, profile)[-1]
-
-
-def balanced_layers_by_depth(num_layers: int, max_depth: int,
-                             profile: Profile) -> list[list[int]]:
-    """balanced_layers for every depth 1..max_depth. The dynamic program's rows for the stages
-    before the last do not depend on the depth, so they are computed once: O(max_depth x L^2)
-    for all depths rather than for each."""
-    inf = math.inf
-    total = num_layers
-    # cost[first][n]: a stage of n layers that is not the last; end[first][n]: one that is
-    cost = [[stage_cost_ms(profile, n, f, False) for n in range(total + 1)] for f in (0, 1)]
-    end = [[stage_cost_ms(profile, n, f, True) for n in range(total + 1)] for f in (0, 1)]
-    # best[s][n]: the smallest max-stage cost of the first n layers on the first s stages (none
-    # of them the last), cut[s][n] where the s-th of them starts; a strict improvement by more
-    # than 1e-12 is needed to move a cut, so ties keep earlier stages smaller
-    best = [[0.0] + [inf] * total]
-    cut = [[0] * (total + 1)]
-    for s in range(1, max_depth):
-        prev, stage = best[s - 1], cost[s == 1]
-        row, row_cut = [inf] * (total + 1), [0] * (total + 1)
-        for n in range(s, total):  # a layer at least is left for the last stage
-            b, at = inf, 0
-            for k in range(s - 1, n):  # this stage holds layers [k, n)
-                c = max(prev[k], stage[n - k])
-                if c < b - 1e-12:
-                    b, at = c, k
-            row[n], row_cut[n] = b, at
-        best.append(row)
-        cut.append(row_cut)
-    out = []
-    for depth in range(1, max_depth + 1):
-        prev, stage = best[depth - 1], end[depth == 1]
-        b, at = inf, 0
-        for k in range(depth - 1, total):
-            c = max(prev[k], stage[total - k])
-            if c < b - 1e-12:
-                b, at = c, k
-        sizes, n = [total - at], at
-        for s in range(depth - 1, 0, -1):
-            k = cut[s][n]
-            sizes.append(n - k)
-            n = k
-        out.append(sizes[::-1])
-    return out
-
-
-def with_layers(plan: ExecutionPlan, sizes: list[int]) -> ExecutionPlan:
-    """`plan` (homogeneous) with every pipeline's stages holding `sizes` layers."""
-    depth = len(sizes)
-    starts = [sum(sizes[:s]) for s in range(depth)]
-    pipelines = [Pipeline([Stage(starts[s], starts[s] + sizes[s], list(st.ranks))
-                           for s, st in enumerate(p.stages)], list(p.micro_batches))
-                 for p in plan.pipelines]
-    new = dataclasses.replace(plan, pipelines=pipelines)
-    new.validate()
-    return new
-
-
 def predicted(strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
               profile: Profile, eager: bool = False) -> Candidate:
     """A forced strategy's plan `new` over the survivors of `plan` without `lost`, predicted
     (its transition cost is what the recovery measures; none is estimated here)."""
-    after = profile.for_survivors(lost)
+    after = profile.for_survivors(set(plan.ranks) - set(plan.survivors(lost)))
     c = _candidate(strategy, new, after, 0.0)
     if eager:
         _add_upkeep(c, after)

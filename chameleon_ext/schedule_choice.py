@@ -3,23 +3,37 @@ executes it, and the planner, which predicts it: the same op lists in both)."""
 
 from __future__ import annotations
 
-from chameleon_ext.list_scheduler import list_schedule
+from chameleon_ext.list_scheduler import timed_list_schedule, whole_backward_bound
 from chameleon_ext.message_fusion import fuse_messages
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import Schedule, one_f_one_b
-from chameleon_ext.simulator import UniformCosts, simulate
+from chameleon_ext.simulator import UniformCosts, check, simulate
 
 
-def choose_schedule(plan: ExecutionPlan, fuse: bool = True) -> Schedule:
-    """1F1B where it applies; otherwise the list schedule, with backwards split where the
-    simulator says that is faster and (`fuse`) its sends to one peer packed together where that
+def choose_schedule(plan: ExecutionPlan, fuse: bool = True, checked: bool = True) -> Schedule:
+    """1F1B where it applies; otherwise the list schedule, with backwards split where that is
+    faster (the list scheduler's own timeline under UniformCosts, which is the simulated one;
+    whole backwards on a tie) and (`fuse`) its sends to one peer packed together where that
     leaves the simulated timeline unchanged: the planner predicts without fusing, which gives
-    the same iteration time. Every schedule is checked before it runs."""
+    the same iteration time. Every schedule that runs is checked (simulator.check);
+    `checked=False` is for predictions only (both generators are correct by construction, and
+    the check costs seconds at 16k ranks)."""
     if not plan.rerouted:
         schedule = one_f_one_b(plan)
-        simulate(plan, schedule, UniformCosts(), timeline=False)
+        if checked:
+            simulate(plan, schedule, UniformCosts(), timeline=False)
         return schedule
-    candidates = [list_schedule(plan, UniformCosts(), split_backward=s) for s in (False, True)]
-    best = min(candidates, key=lambda c: simulate(plan, c, UniformCosts(),
-                                                  timeline=False).iteration_time)
-    return fuse_messages(plan, best, UniformCosts()) if fuse else best
+    costs = UniformCosts()
+    best, split_ms = timed_list_schedule(plan, costs, split_backward=True)
+    # Whole backwards are scheduled only where they could be as fast: the same choice, and
+    # at thousands of ranks one list schedule instead of two. (The margin keeps a bound that
+    # rounds above an equal makespan from deciding.)
+    if whole_backward_bound(plan, costs) <= split_ms * (1 + 1e-9):
+        whole, whole_ms = timed_list_schedule(plan, costs)
+        if whole_ms <= split_ms:
+            best = whole
+    if fuse:
+        return fuse_messages(plan, best, UniformCosts())  # checked by its simulation
+    if checked:
+        check(plan, best)
+    return best

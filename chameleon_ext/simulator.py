@@ -225,7 +225,7 @@ def reduction_components(plan: ExecutionPlan) -> dict[int, tuple[int, ...]]:
     groups: dict[int, list[int]] = {}
     for r in plan.ranks:
         groups.setdefault(root(r), []).append(r)
-    return {r: tuple(sorted(g)) for g in groups.values() for r in g}
+    return {r: group for g in groups.values() for group in (tuple(sorted(g)),) for r in group}
 
 
 @contextmanager

@@ -1,21 +1,27 @@
 """Stage takeover (Bamboo-style): a neighbour stage of the failed pipeline absorbs the lost stage's
 layers, so that pipeline runs one stage fewer on the micro-batches it always ran; the layers'
-weights and optimizer state come from a data-parallel replica (megatron.elastic.state_transfer)."""
+weights and optimizer state come from a data-parallel replica (megatron.elastic.state_transfer).
+
+The unit is a tensor-parallel group: a stage that loses any of its ranks is lost whole, its
+healthy ranks leave the plan with it, and the neighbouring group takes over the lost layers shard
+by shard (each of its ranks the same tensor-parallel shard of them)."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 
-from chameleon_ext.plan import ExecutionPlan, Stage
+from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.strategies.base import Context, Proposal, moved_bytes
 from chameleon_ext.strategies.redundancy import holder_stage
 
 
 def takeover(plan: ExecutionPlan, failed: set[int] | list[int],
              stage_cost=None, eager: bool = False) -> ExecutionPlan | None:
-    """The plan over the survivors in which, in every pipeline that lost stages, each lost
-    stage's layers join a surviving neighbour in the same pipeline, ranks renumbered densely in
-    their old order and the generation advanced. `stage_cost(layers, first, last)` picks the
-    neighbour that ends up cheaper (default: the one with fewer layers; ties to the earlier).
+    """The plan over plan.survivors(failed) in which, in every pipeline that lost stages, each
+    lost stage's layers join a surviving neighbour in the same pipeline, ranks renumbered
+    densely in their old order and the generation advanced. `stage_cost(layers, first, last)`
+    picks the neighbour that ends up cheaper (default: the one with fewer layers; ties to the
+    earlier).
     None when a pipeline lost every stage (nothing in it survives to take over) or when the
     plan has rerouted stages (takeover starts from a plan where every stage has its ranks).
     `eager`: a lost stage whose shadow holder (redundancy.holder_stage) survives goes to it,
@@ -23,8 +29,9 @@ def takeover(plan: ExecutionPlan, failed: set[int] | list[int],
     failed = set(failed)
     if any(not st.ranks for p in plan.pipelines for st in p.stages):
         return None
-    new = copy.deepcopy(plan)
-    for p in new.pipelines:
+    pipelines = [Pipeline([Stage(st.layer_start, st.layer_end, list(st.ranks))
+                           for st in p.stages], list(p.micro_batches)) for p in plan.pipelines]
+    for p in pipelines:
         alive = [st for st in p.stages if not failed & set(st.ranks)]
         if not alive:
             return None
@@ -62,12 +69,16 @@ def takeover(plan: ExecutionPlan, failed: set[int] | list[int],
             host.layer_end = max(host.layer_end, lost.layer_end)
             del stages[i]
         p.stages = stages
-    survivors = sorted(r for p in new.pipelines for st in p.stages for r in st.ranks)
-    renumber = {old: i for i, old in enumerate(survivors)}
-    for p in new.pipelines:
-        for st in p.stages:
-            st.ranks = [renumber[r] for r in st.ranks]
-    new.generation = plan.generation + 1
-    new._positions = {}
-    new.validate()
-    return new
+    return dataclasses.replace(plan, pipelines=pipelines).renumbered()
+
+
+class Takeover:
+    name, restarts = "takeover", False
+
+    def propose(self, plan: ExecutionPlan, lost: set[int], ctx: Context) -> Proposal | None:
+        new = takeover(plan, lost, ctx.stage_cost() if ctx.profile else None, ctx.eager)
+        return None if new is None else Proposal(new)
+
+    def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
+                    ctx: Context) -> int:
+        return moved_bytes(plan, new, lost, ctx.profile, ctx.eager)

@@ -233,7 +233,13 @@ def calibrate(plan: ExecutionPlan, schedule: Schedule, samples: list[StageSample
               base: Profile) -> Profile:
     """The profile fitted to `samples` (measured under `plan` and `schedule`), with the part of
     the measured iteration the simulated one lacks kept as `iteration_overhead_ms`."""
-    fitted = dataclasses.replace(profile_from_samples(samples, base), iteration_overhead_ms=0.0)
+    # The timers measured a shard of each op at the plan's tensor-parallel degree, its
+    # all-reduces included (perf_model.Profile.tensor_parallel).
+    fitted = dataclasses.replace(
+        profile_from_samples(samples, base), iteration_overhead_ms=0.0,
+        tensor_parallel=plan.tensor_parallel,
+        tp_allreduce_ms=base.tp_allreduce_ms if base.tensor_parallel == plan.tensor_parallel
+        else -1.0)
     if _cpu_timed(samples, base):
         fitted = _effective_cores(plan, schedule, samples, fitted)
     sim = predict(plan, schedule, fitted)

@@ -20,12 +20,9 @@ from chameleon_ext.perf_model import Profile
 from chameleon_ext.placement import spread_over
 from chameleon_ext.plan import ExecutionPlan, PlanError
 from chameleon_ext.planner import Situation
-from chameleon_ext.strategies.redundancy import shadow_pairs
+from chameleon_ext.strategies import REGISTRY, Context
+from chameleon_ext.strategies.base import state_survives
 from chameleon_ext.strategies.rejoin import overlay
-from chameleon_ext.strategies.reparallelize import reparallelize
-from chameleon_ext.strategies.reroute import reroute
-from chameleon_ext.strategies.restart import restart_plan
-from chameleon_ext.strategies.takeover import takeover
 
 
 @dataclass
@@ -51,19 +48,36 @@ class Decider:
                       iteration: int) -> Verdict:
         """The plan over the survivors of `plan` (whose rank r is launch rank
         launch_ranks[r]) without the ranks `lost`, after a failure during `iteration`."""
-        verdict = self._after_failure(plan, lost, iteration, self._profile(plan, launch_ranks))
-        return self._placed(verdict, [r for i, r in enumerate(launch_ranks) if i not in lost])
+        profile = self._profile(plan, launch_ranks)
+        verdict = self._after_failure(plan, lost, iteration, profile)
+        d = verdict.decision
+        if d is None:
+            return verdict
+        # Every plan runs on whole tensor-parallel groups, numbered in their old order: a lost
+        # rank's healthy siblings are not members (they leave, or stay spares).
+        used = plan.survivors(lost, d.plan.world_size)
+        if not d.restarts and not state_survives(plan, set(plan.ranks) - set(used), self.eager):
+            # Spares leave with their state: a plan that carries the state must hold it all.
+            new, _ = self._restart(plan, lost, profile)
+            if new is None:
+                return self._none(lost, plan.world_size - len(lost))
+            d = self._forced("restart", new, plan, lost, profile)
+            verdict = Verdict(d)
+            used = plan.survivors(lost, d.plan.world_size)
+        d.members = [launch_ranks[r] for r in used]
+        self._place_restart(d, plan, lost, launch_ranks)
+        return verdict
 
     def _after_failure(self, plan: ExecutionPlan, lost: set[int], iteration: int,
                        profile: Profile | None) -> Verdict:
         survivors = plan.world_size - len(lost)
         if not state_survives(plan, lost, self.eager):
             # Every holder of some layer is gone: only a checkpoint has it.
-            new = restart_plan(plan, survivors)
+            new, _ = self._restart(plan, lost, profile)
             if new is None:
                 return self._none(lost, survivors)
             return Verdict(self._forced("restart", new, plan, lost, profile))
-        if self.strategy in ("auto", "reroute+restart", "reparallelize") and profile is not None:
+        if self.strategy in ("auto", "reroute+restart") and profile is not None:
             ranked = planner.candidates(plan, lost, profile, self.planning.situation(iteration),
                                         planner.STRATEGIES if self.strategy == "auto"
                                         else (self.strategy,))
@@ -78,8 +92,8 @@ class Decider:
             if self.strategy == "auto":
                 return self._none(lost, survivors)
         new, strategy = self._forced_plan(plan, lost, profile)
-        if new is None or new.world_size != survivors:
-            new, strategy = restart_plan(plan, survivors), "restart"
+        if new is None:
+            new, strategy = self._restart(plan, lost, profile)
         if new is None:
             return self._none(lost, survivors)
         return Verdict(self._forced(strategy, new, plan, lost, profile))
@@ -89,8 +103,11 @@ class Decider:
         """A hybrid's planned second step, as planned when nobody was lost meanwhile."""
         if lost:
             return self.after_failure(plan, launch_ranks, lost, iteration + 1)
-        return self._placed(Verdict(Decision(switch.strategy, switch.plan,
-                                             switch.predicted_iter_ms)), launch_ranks)
+        d = Decision(switch.strategy, switch.plan, switch.predicted_iter_ms,
+                     members=[launch_ranks[r] for r in
+                              plan.survivors(set(), switch.plan.world_size)])
+        self._place_restart(d, plan, set(), launch_ranks)
+        return Verdict(d)
 
     def for_admission(self, plan: ExecutionPlan, launch_ranks: list[int], grown: list[int],
                       iteration: int, scheduler: dict, consumed: int) -> Verdict:
@@ -102,45 +119,53 @@ class Decider:
         members = [launch_ranks.index(r) if r in launch_ranks else None for r in grown]
         new, lost = overlay(self.target, plan, members)
         profile = self._profile(plan, launch_ranks)   # measured under the plan running now
-        verdict = self._after_failure(new, lost, iteration, profile) if lost else \
-            Verdict(self._forced("rejoin", new, new, set(), profile))
+        if lost:
+            verdict = self._after_failure(new, lost, iteration, profile)
+            if verdict.decision is not None:
+                verdict.decision.members = [
+                    grown[r] for r in new.survivors(lost, verdict.decision.plan.world_size)]
+        else:
+            verdict = Verdict(self._forced("rejoin", new, new, set(), profile))
+            verdict.decision.members = list(grown)
         if verdict.decision is not None:
             verdict.decision.scheduler = scheduler
             verdict.decision.consumed_samples = consumed
             verdict.decision.joined = [r for r in grown if r not in launch_ranks]
         return verdict
 
-    def _placed(self, verdict: Verdict, survivors: list[int]) -> Verdict:
-        """A restart's fresh plan (Megatron's order over the first survivors) chosen from and
-        placed over the survivors' nodes, under the spread placement."""
-        d = verdict.decision
-        if d is None or not d.restarts or self.placement != "spread" or self.nodes is None:
-            return verdict
+    def _place_restart(self, d: Decision, plan: ExecutionPlan, lost: set[int],
+                       launch_ranks: list[int]) -> None:
+        """Under the spread placement, a restart's fresh plan (Megatron's order over the first
+        surviving groups) takes its groups from as many of the survivors' nodes as possible
+        and is placed the spread way: `d.plan` and `d.members` are replaced."""
+        if not d.restarts or self.placement != "spread" or self.nodes is None:
+            return
+        groups = [[launch_ranks[r] for r in g] for g in plan.surviving_groups(lost)]
         try:
-            nodes = self.nodes(survivors)
+            nodes = self.nodes(sorted(r for g in groups for r in g))
         except PlanError:       # a survivor without a launcher's record: Megatron's order
-            return verdict
-        d.plan, d.participants = spread_over(d.plan, survivors, nodes)
-        return verdict
+            return
+        d.plan, d.members = spread_over(d.plan, groups, nodes)
 
     def _profile(self, plan: ExecutionPlan, launch_ranks: list[int]) -> Profile | None:
         return self.planning.profile(plan, launch_ranks) if self.planning else None
 
     def _forced_plan(self, plan: ExecutionPlan, lost: set[int], profile: Profile | None
                      ) -> tuple[ExecutionPlan | None, str]:
-        """The forced strategy's own plan (before any calibration, auto and the hybrid
-        reroute; reparallelize balances layers by count)."""
-        if self.strategy in ("reroute", "auto", "reroute+restart"):
-            return reroute(plan, lost, profile.rank_slowdown if profile else None), "reroute"
-        if self.strategy == "takeover":
-            return takeover(plan, lost, None if profile is None else
-                            lambda n, first, last: planner.stage_cost_ms(profile, n, first, last),
-                            self.eager), "takeover"
-        if self.strategy == "reparallelize":
-            return reparallelize(plan, lost, lambda n, first, last: float(n),
-                                 lambda layers, d: [layers // d + (i < layers % d)
-                                                    for i in range(d)]), "reparallelize"
-        return None, "restart"
+        """The forced strategy's own proposal (before any calibration, auto and the hybrid
+        reroute)."""
+        name = "reroute" if self.strategy in ("auto", "reroute+restart") else self.strategy
+        found = REGISTRY[name].propose(plan, lost, self._context(plan, profile))
+        return (None, name) if found is None else (found.plan, name)
+
+    def _restart(self, plan: ExecutionPlan, lost: set[int], profile: Profile | None
+                 ) -> tuple[ExecutionPlan | None, str]:
+        found = REGISTRY["restart"].propose(plan, lost, self._context(plan, profile))
+        return (None if found is None else found.plan), "restart"
+
+    def _context(self, plan: ExecutionPlan, profile: Profile | None) -> Context:
+        return Context(None if profile is None else profile.at_tensor_parallel(
+            plan.tensor_parallel), self.eager)
 
     def _forced(self, strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
                 profile: Profile | None) -> Decision:
@@ -156,22 +181,3 @@ class Decider:
         return Verdict(unrecoverable=f"lost rank(s) {sorted(lost)}: no plan fits the "
                                      f"{survivors} survivor(s), not even one pipeline")
 
-
-def state_survives(plan: ExecutionPlan, lost: set[int], eager: bool) -> bool:
-    """Whether the survivors of `plan` still hold every layer's state (each tensor-parallel
-    shard of it): on their own stages, or as eager redundancy's shadow copies."""
-    held: set[tuple[int, int]] = set()
-
-    def hold(rank: int) -> None:
-        st, t = plan.stage_of(rank), plan.position(rank).tp_rank
-        held.update((layer, t) for layer in range(st.layer_start, st.layer_end))
-
-    for r in plan.ranks:
-        if r not in lost:
-            hold(r)
-    if eager:
-        for owner, holder in shadow_pairs(plan):
-            if holder not in lost:
-                hold(owner)
-    return all((layer, t) in held for layer in range(plan.num_layers)
-               for t in range(plan.tensor_parallel))

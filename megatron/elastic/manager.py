@@ -224,8 +224,10 @@ class ElasticManager:
     def commit(self, iteration: int) -> bool:
         """The vote on the step of `iteration` (0-based, the executor's): True when every
         rank of this world applies it."""
+        # A voter's loss aborts the vote at once (its record, or a peer's notice); the bound
+        # only ends a silent stall, which its agent turns into a record well before it.
         ok = self.members.commit(self.generation, iteration + 1, self.alive,
-                                 self.config.comm_timeout_s)
+                                 self.config.agree_timeout_s)
         self.injector.maybe_fire(iteration + 1, "commit")
         if ok and self.launch_rank == self.alive[0] and iteration > 0:
             self.members.forget_commit(self.generation, iteration)
@@ -325,7 +327,7 @@ class ElasticManager:
                 generation, candidates = self.members.abandon(ag.generation), \
                     [r for r in ag.alive if r != ag.leader]
                 continue
-            participants = decision.participants or ag.alive[:decision.plan.world_size]
+            participants = decision.members or ag.alive[:decision.plan.world_size]
             if self.launch_rank not in participants:
                 # A spare: it leaves once the new world holds the state, or joins a retry.
                 self.tick(iteration, f"spare in generation {ag.generation}", waiting=True)
@@ -338,17 +340,19 @@ class ElasticManager:
                 continue
             try:
                 entered, rank = self._enter(ag, participants, decision, enter, iteration)
-            except (RuntimeError, membership.MembershipError) as e:
-                if isinstance(e, (Unrecoverable, membership.DivergedSteps,
-                                  membership.AgreementTimeout)):
-                    raise
+            except Exception as e:
+                # Whatever ends this attempt here, the others must not wait for this rank.
                 generation = self.members.abandon(ag.generation)
+                if not isinstance(e, (RuntimeError, membership.MembershipError)) or \
+                        isinstance(e, (Unrecoverable, membership.DivergedSteps,
+                                       membership.AgreementTimeout)):
+                    raise
                 self._leave_world()
                 failed = self._failed_meanwhile(participants)
-                print(f"[chameleon] launch rank {self.launch_rank}: generation "
-                      f"{ag.generation} abandoned ({_first_line(e)}); lost meanwhile: "
-                      f"{failed or 'none seen yet'}; agreeing again as generation {generation}",
-                      flush=True)
+                if self.launch_rank == ag.leader:   # once per job, not once per survivor
+                    print(f"[chameleon] generation {ag.generation} abandoned "
+                          f"({_first_line(e)}); lost meanwhile: {failed or 'none seen yet'}; "
+                          f"agreeing again as generation {generation}", flush=True)
                 # An attempt that failed with nobody lost (a false alarm of a timeout on a
                 # loaded host) is tried again; the same failure three times over is a fault of
                 # the plan, not of a rank.

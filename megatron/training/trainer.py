@@ -323,12 +323,24 @@ class Trainer:
         it, switch = self.iteration, self.switch
         self.switch = None
         t = self._transition(PlannedSwitch(switch))
-        self.reporter.switched(t, it)
+        if not self._lost_during(t, "switch"):
+            self.reporter.switched(t, it)
 
     def _admit(self) -> None:
         t = self._transition(Admission(self.iteration,
                                        self.built.runtime.scheduler.state_dict(), self.consumed))
-        self.reporter.rejoined(t, self.iteration)
+        self._lost_during(t, "admission")
+        if t.decision.joined:
+            self.reporter.rejoined(t, self.iteration)
+
+    def _lost_during(self, t, during: str) -> bool:
+        """Ranks lost during a planned transition make it a recovery: reported as one."""
+        if not t.failed:
+            return False
+        self.reporter.recovery(t, Failure(self.iteration + 1, t.first_notice,
+                                          f"lost during the {during}", during),
+                               self.iteration, self.built.schedule)
+        return True
 
     def _report_shadows(self) -> None:
         mine = (self.built.shadows.held_bytes,

@@ -146,3 +146,18 @@ def test_a_kill_from_outside_at_a_random_instant(references, small_data, tmp_pat
     assert_survived(run, references(3), 24, recoveries=None)
     fail = [e for e in run.metrics if e["event"] == "failure"]
     assert [f["ranks"] for f in fail] == [[case["rank"]]], (case, fail)
+
+
+def test_a_kill_during_a_planned_switch(references, small_data, tmp_path):
+    """reroute+restart reroutes the kill of rank 3 at iteration 5 and plans a switch after the
+    checkpoint of iteration 6; rank 1 dies while that switch builds its world: the switch
+    becomes a recovery from the plan before it, one generation up."""
+    run = run_chameleon(4, common(small_data, 2) + [
+        "--chameleon", "--chameleon-strategy", "reroute+restart", "--chameleon-mtbf", "1000",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "6",
+        "--chameleon-inject", "kill:rank=3,iter=5,phase=backward",
+        "--chameleon-inject", "kill:rank=1,iter=6,phase=rebuild"], tmp_path, name="switch")
+    assert_survived(run, references(2), 16, recoveries=2)
+    fails = [e for e in run.metrics if e["event"] == "failure"]
+    assert [f["ranks"] for f in fails] == [[3], [1]]
+    assert fails[1]["during"] == "switch"

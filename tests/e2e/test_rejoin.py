@@ -12,15 +12,23 @@ pytestmark = pytest.mark.slow
 ITERS = 80  # the restarted worker needs a few seconds to start: the job must outlast them
 
 
+def common(data: str) -> list[str]:
+    return SMALL_MODEL + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
+                          "--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS),
+                          "--data-path", data, "--split", "100,0,0", "--log-interval", "20"]
+
+
+@pytest.fixture(scope="module")
+def ref(small_data, tmp_path_factory):
+    run = run_job(4, common(small_data), tmp_path_factory.mktemp("ref"), name="ref")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 @pytest.mark.timeout(400)
-def test_a_restarted_worker_rejoins_and_the_plan_returns_to_failure_free(small_data, tmp_path):
-    common = SMALL_MODEL + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
-                            "--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS),
-                            "--data-path", small_data, "--split", "100,0,0",
-                            "--log-interval", "20"]
-    ref = run_job(4, common, tmp_path, name="ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    run = run_chameleon(4, common + [
+def test_a_restarted_worker_rejoins_and_the_plan_returns_to_failure_free(small_data, tmp_path,
+                                                                         ref):
+    run = run_chameleon(4, common(small_data) + [
         "--chameleon", "--chameleon-strategy", "reroute",
         "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"], tmp_path, name="rejoin",
         launcher_args=["--max-restarts", "1"], timeout=300)
@@ -39,4 +47,24 @@ def test_a_restarted_worker_rejoins_and_the_plan_returns_to_failure_free(small_d
     assert plan == ExecutionPlan.failure_free(4, 1, 2, 4, 2, 16)
     after = [iters[i] for i in sorted(iters) if i > rejoin[0]["iteration"]]
     assert after and all(e["world"] == 4 and e["generation"] == 2 for e in after)
+    assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
+
+
+@pytest.mark.timeout(400)
+def test_a_kill_during_the_admission(small_data, tmp_path, ref):
+    """Rank 1 dies while the admission of the restarted rank 4 builds its world: the
+    survivors and the joiner agree again without it, and the places nobody holds are rerouted;
+    the job goes on with 3 ranks on the failure-free losses."""
+    run = run_chameleon(4, common(small_data) + [
+        "--chameleon", "--chameleon-strategy", "reroute",
+        "--chameleon-inject", "kill:rank=3,iter=5,phase=backward",
+        "--chameleon-inject", "kill:rank=1,iter=6,phase=rebuild"], tmp_path, name="admission",
+        launcher_args=["--max-restarts", "1"], timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = run.metrics
+    assert_close(last_losses(events), ref.losses())
+    fails = [e for e in events if e["event"] == "failure"]
+    assert [(f["ranks"], f["during"]) for f in fails] == [([3], "step"), ([1], "admission")]
+    rejoin = [e for e in events if e["event"] == "rejoin"]
+    assert len(rejoin) == 1 and rejoin[0]["joined"] == [4] and rejoin[0]["world"] == 3
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]

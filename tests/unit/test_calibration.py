@@ -120,3 +120,21 @@ def test_prediction_check_leaves_out_the_first_iteration():
     r = check.result()
     assert r["measured_iter_ms"] == 100.0 and r["relative_error"] == 0.0
     assert "0.0% off" in check.line()
+
+
+def test_a_profile_calibrated_under_tensor_parallelism_is_a_shards():
+    """The timers of a TP 2 job measure a shard's ops, their all-reduces included: the fitted
+    profile says so, and predicts that plan from its measured costs as they are."""
+    from chameleon_ext.perf_model import analytical_profile
+    shape = ModelShape(4, 64, 4, 32, 2, 128)
+    plan = ExecutionPlan.failure_free(4, 2, 2, 4, 2, 8)
+    schedule = one_f_one_b(plan)
+    base = analytical_profile(shape, "A100")
+    samples = [StageSample(r, 2, plan.is_first_stage(r), plan.is_last_stage(r), 1000, 5,
+                           {"forward-compute": 2.0, "backward-compute": 4.0, "optimizer": 0.5},
+                           {}, {"forward-compute": 2, "backward-compute": 2, "optimizer": 1},
+                           60.0, 12.5) for r in plan.ranks]
+    fitted = calibrate(plan, schedule, samples, base)
+    assert fitted.tensor_parallel == 2 and fitted.tp_allreduce_ms == -1.0
+    assert fitted.at_tensor_parallel(2) is fitted
+    assert predict(plan, schedule, fitted).iteration_ms == pytest.approx(60.0)

@@ -5,8 +5,10 @@ placement a restart takes survivors from every node and keeps each stage's repli
 import pytest
 
 from chameleon_ext.decision import Decision, Switch, Verdict
+from chameleon_ext.placement import place
 from chameleon_ext.plan import ExecutionPlan
-from megatron.elastic.deciding import Decider, state_survives
+from chameleon_ext.strategies.base import state_survives
+from megatron.elastic.deciding import Decider
 
 
 def test_a_verdict_round_trips_through_json():
@@ -45,23 +47,23 @@ def test_a_restart_under_spread_takes_survivors_from_every_node():
     # spread: stage 0 on 0, 3, 1; stage 1 on 4, 2, 5. Rank 5 lost, forced restart: 4 of the 5
     # survivors, 2 from each node, each stage on both nodes.
     node_of = {r: r // 3 for r in range(6)}
-    plan = ExecutionPlan.failure_free(6, 1, 2, 4, 2, 12)
+    plan = place("spread", node_of, 1, 2, 4, 2, 12)
     decider = Decider("restart", placement="spread",
                       nodes=lambda ranks: {r: node_of[r] for r in ranks})
     d = decider.after_failure(plan, list(range(6)), {5}, 5).decision
     assert d.strategy == "restart" and d.plan.world_size == 4
-    assert d.participants == [0, 1, 3, 4]
+    assert d.members == [0, 1, 3, 4]
     for p_ in d.plan.pipelines:
-        assert {node_of[d.participants[r]] for st in p_.stages for r in st.ranks} \
+        assert {node_of[d.members[r]] for st in p_.stages for r in st.ranks} \
             in ({0}, {1})                          # each pipeline inside one node
     stages = {(st.layer_start, st.layer_end): set() for st in d.plan.pipelines[0].stages}
     for p_ in d.plan.pipelines:
         for st in p_.stages:
-            stages[(st.layer_start, st.layer_end)].update(node_of[d.participants[r]]
+            stages[(st.layer_start, st.layer_end)].update(node_of[d.members[r]]
                                                           for r in st.ranks)
     assert all(nodes == {0, 1} for nodes in stages.values())
     # Megatron's placement: the first 4 survivors, in Megatron's order (today's layout)
     d = Decider("restart", nodes=lambda ranks: {r: node_of[r] for r in ranks}).after_failure(
         plan, list(range(6)), {5}, 5).decision
-    assert d.participants is None and d.plan.to_dict()["pipelines"] == \
+    assert d.members == [0, 1, 2, 3] and d.plan.to_dict()["pipelines"] == \
         ExecutionPlan.failure_free(4, 1, 2, 4, 2, 12).to_dict()["pipelines"]

@@ -201,3 +201,86 @@ def test_predict_plan_equals_the_whole_plans_prediction(world, tp, depth, batch,
         assert fast.memory_bytes == whole.memory_bytes
         assert fast.bubble_fraction == pytest.approx(whole.bubble_fraction, rel=1e-9)
     assert simulated[0] == simulated_ranks
+
+
+def tp_profile(**kw) -> Profile:
+    """profile() with a tensor-parallel link: 0.01 ms a step, 1 ms per MiB."""
+    return profile(tp_alpha_ms=0.01, tp_ms_per_mib=1.0, **kw)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_all_reduces_are_in_the_prediction(tp):
+    """One pipeline of one stage, 2 micro-batches, costs of a whole layer (the profile's
+    tensor_parallel 1): each shard computes 1 / tp of every op, and each layer adds 2 ring
+    all-reduces of [seq, micro-batch, hidden] to the forward and 2 to the input half of the
+    backward (1 to the embedding's forward, 1 to the output layer's backward)."""
+    plan = ExecutionPlan.failure_free(tp, tp, 1, 4, 2, 4)
+    prof = tp_profile()
+    ring = 2 * (tp - 1) * (0.01 + SHAPE.message_bytes() / tp / MIB)
+    per_mb = 4 * (1.0 / tp + 2 * ring) + 4 * (0.5 / tp + 2 * ring + 0.5 / tp) + ring + ring
+    assert predict_plan(plan, prof).iteration_ms == pytest.approx(2 * per_mb)
+    assert prof.tp_allreduce(tp) == pytest.approx(ring)
+
+
+def test_a_profile_measured_at_a_tensor_parallel_degree_is_used_as_measured_there():
+    """Timers of a TP 2 job include its all-reduces: at TP 2 its costs are taken as they are;
+    at TP 4 the measured all-reduce (the calibration hook) is taken out before the compute is
+    split, and the TP 4 ring added."""
+    measured = tp_profile(tensor_parallel=2, tp_allreduce_ms=0.2)
+    assert measured.at_tensor_parallel(2) is measured
+    at4 = measured.at_tensor_parallel(4)
+    assert at4.tensor_parallel == 4 and at4.tp_allreduce_ms == pytest.approx(
+        measured.tp_allreduce(4))
+    assert at4.layer_fwd_ms == pytest.approx((1.0 - 2 * 0.2) / 2 + 2 * at4.tp_allreduce_ms)
+    assert at4.layer_bwd_weight_ms == pytest.approx(0.5 / 2)
+    # without a measurement, the link's ring at the profile's own degree is taken out
+    assert tp_profile(tensor_parallel=2).at_tensor_parallel(4).layer_fwd_ms == pytest.approx(
+        (1.0 - 2 * tp_profile().tp_allreduce(2)) / 2 + 2 * tp_profile().tp_allreduce(4))
+
+
+def test_memory_is_per_tensor_parallel_shard():
+    """Parameters, gradients, optimizer state and activations of a stage are split over its
+    shards; measured activations are a shard's at the profile's degree."""
+    one, four = (ExecutionPlan.failure_free(tp, tp, 1, 4, 2, 4) for tp in (1, 4))
+    whole = predict_plan(one, tp_profile()).memory_bytes[0]
+    shard = predict_plan(four, tp_profile()).memory_bytes
+    assert set(shard) == {0, 1, 2, 3}
+    assert all(whole // 4 - 4 <= m <= whole // 4 + 4 for m in shard.values())
+    measured = tp_profile(tensor_parallel=4, layer_activation_bytes=1000)
+    at4 = predict_plan(four, measured).memory_bytes[0]
+    at1 = predict_plan(one, measured).memory_bytes[0]
+    def state(tp: int) -> int:
+        return perf_model.stage_param_count(SHAPE, 4, True, True, tp) * measured.bytes_per_param
+    assert at1 - state(1) == 4 * (at4 - state(4))  # the measured shard's activations, x 4
+
+
+def test_a_tensor_parallel_group_runs_at_its_slowest_ranks_pace():
+    plan = ExecutionPlan.failure_free(4, 2, 2, 4, 2, 4)
+    lead, sibling = plan.pipelines[0].stages[1].ranks
+    slow_lead = predict_plan(plan, profile(rank_slowdown={lead: 2.0}))
+    slow_sibling = predict_plan(plan, profile(rank_slowdown={sibling: 2.0}))
+    assert slow_lead.iteration_ms == slow_sibling.iteration_ms > predict_plan(
+        plan, profile()).iteration_ms
+    assert perf_model.lockstep_slowdown(plan, {sibling: 2.0}) == {lead: 2.0, sibling: 2.0}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_predict_plan_of_misaligned_plans_equals_the_whole_plans_prediction(tp, monkeypatch):
+    """A takeover and a re-parallelization split the layers differently across pipelines, so
+    their gradient all-reduces chain stages of several pipelines: predicted from their
+    representatives all the same, each chain costed and waited for whole."""
+    from chameleon_ext.strategies.reparallelize import reparallelize
+    from chameleon_ext.strategies.takeover import takeover
+    base = ExecutionPlan.failure_free(8 * tp, tp, 4, 8, 2, 32)
+    lost = {base.pipelines[1].stages[2].ranks[-1]}
+    plans = [takeover(base, lost), reparallelize(
+        base, lost, lambda n, first, last: float(n),
+        lambda layers, d: [layers // d + (i < layers % d) for i in range(d)], mix=[4, 3])]
+    prof = tp_profile(p2p_alpha_ms=0.1, allreduce_alpha_ms=0.05, allreduce_ms_per_mib=0.5,
+                      optimizer_ms_per_mparam=2.0)
+    for plan in plans:
+        assert plan.misaligned_stages() is not None
+        whole = predict(plan, choose_schedule(plan, fuse=False), prof)
+        fast = predict_plan(plan, prof)
+        assert fast.iteration_ms == pytest.approx(whole.iteration_ms, rel=1e-12)
+        assert fast.memory_bytes == whole.memory_bytes

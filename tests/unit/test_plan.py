@@ -253,3 +253,25 @@ def test_segment_ranks_leave_out_a_stage_without_ranks():
     plan.validate()
     assert plan.segments() == [(0, 2), (2, 4)]
     assert plan.segment_ranks(2, 4, 0) == [2] and plan.last_stage_ranks(0) == [2]
+
+
+def test_survivors_are_the_groups_without_a_lost_rank():
+    plan = ExecutionPlan.failure_free(8, 2, 2, 4, 1, 8)  # groups (0 1) (2 3) (4 5) (6 7)
+    assert plan.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan.surviving_groups({2, 7}) == [[0, 1], [4, 5]]
+    assert plan.survivors({2, 7}) == [0, 1, 4, 5]
+    assert plan.survivors({3}, size=4) == [0, 1, 4, 5]  # the first two groups that survive
+    assert plan.survivors(set(plan.ranks)) == []
+
+
+def test_relabelled_and_renumbered_plans_are_new_and_valid():
+    plan = ExecutionPlan.failure_free(4, 1, 2, 4, 1, 8)
+    swapped = plan.relabelled({0: 1, 1: 0, 2: 2, 3: 3})
+    assert swapped.position(1) == plan.position(0) and swapped.generation == plan.generation
+    assert plan.stage_of(0).ranks == [0]  # the original is untouched
+    gaps = plan.relabelled({0: 0, 1: 5, 2: 7, 3: 9})
+    dense = gaps.renumbered()
+    assert dense.ranks == [0, 1, 2, 3] and dense.generation == plan.generation + 1
+    assert [st.ranks for p in dense.pipelines for st in p.stages] == [[0], [2], [1], [3]]
+    with pytest.raises(PlanError, match="rank 0 appears"):
+        plan.relabelled({0: 0, 1: 0, 2: 2, 3: 3})

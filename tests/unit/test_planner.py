@@ -7,9 +7,10 @@ import pytest
 from chameleon_ext.perf_model import (ModelShape, Profile, predict, predict_homogeneous,
                                       predict_plan, switch_ms, transition_ms)
 from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.planner import (Situation, _iteration_bound, balanced_layers,
-                                   balanced_layers_by_depth, candidates, choose, replan,
-                                   stage_cost_ms, with_layers)
+from chameleon_ext.planner import Situation, candidates, choose, replan
+from chameleon_ext.strategies.base import (balanced_layers, balanced_layers_by_depth,
+                                           stage_cost_ms, with_layers)
+from chameleon_ext.strategies.restart import _iteration_bound
 from chameleon_ext.schedule_choice import choose_schedule
 from chameleon_ext.schedule_ir import one_f_one_b
 from chameleon_ext.strategies.restart import homogeneous, restart_plan
@@ -119,15 +120,15 @@ def test_homogeneous_prediction_equals_the_whole_plans():
 
 def test_replan_finds_the_fastest_layout():
     plan, prof = pp2_dp4(), synthetic(allreduce_ms_per_mib=0.5)
-    best = replan(plan, 7, prof)
+    best = replan(plan, {7}, prof)
     t_best = predict_homogeneous(best, prof).iteration_ms
     for depth in range(1, 9):
         for dp in range(1, 7 // depth + 1):
             if 32 % dp == 0:
                 assert t_best <= predict_homogeneous(homogeneous(plan, depth, dp),
                                                      prof).iteration_ms + 1e-9
-    assert t_best <= predict_homogeneous(restart_plan(plan, 7), prof).iteration_ms
-    assert replan(plan, 0, prof) is None
+    assert t_best <= predict_homogeneous(restart_plan(plan, {7}), prof).iteration_ms
+    assert replan(plan, set(plan.ranks), prof) is None
 
 
 def test_balanced_layers_for_every_depth_minimise_the_costliest_stage():
@@ -167,13 +168,15 @@ def whole_prediction(plan: ExecutionPlan, prof: Profile):
     return predict(plan, choose_schedule(plan, fuse=False), prof)
 
 
-def exhaustive_replan(plan: ExecutionPlan, survivors: int, prof: Profile) -> ExecutionPlan:
+def exhaustive_replan(plan: ExecutionPlan, lost: set[int], prof: Profile) -> ExecutionPlan:
     """Every layout replan considers, each predicted whole."""
     best = None
+    groups = len(plan.surviving_groups(lost))
+    prof = prof.at_tensor_parallel(plan.tensor_parallel)
     for depth in range(1, plan.num_layers + 1):
-        for dp in range(1, survivors // depth + 1):
+        for dp in range(1, groups // depth + 1):
             if plan.num_micro_batches % dp == 0:
-                new = with_layers(homogeneous(plan, depth, dp),
+                new = with_layers(homogeneous(plan, depth, dp, lost),
                                   balanced_layers(plan.num_layers, depth, prof))
                 pred = whole_prediction(new, prof)
                 if prof.device_memory_bytes and \
@@ -206,7 +209,7 @@ def test_candidates_are_predicted_as_whole_plans_and_the_search_as_exhaustive(de
                 assert (c.iteration_ms, c.memory_bytes) == (whole.iteration_ms,
                                                             whole.peak_memory_bytes)
             restart = next(c for c in ranked if c.strategy == "restart")
-            assert restart.plan == exhaustive_replan(plan, plan.world_size - len(lost), prof)
+            assert restart.plan == exhaustive_replan(plan, lost, prof)
             assert choose(ranked) is ranked[0]
 
 
@@ -323,3 +326,143 @@ def test_no_candidate_when_every_rank_is_lost():
     plan = pp2_dp4()
     assert candidates(plan, set(plan.ranks), synthetic(), Situation(
         iteration=10, checkpoint_iteration=0, remaining_iterations=100)) == []
+
+
+# ---- tensor parallelism: the group is the recovery unit -----------------------------------
+def tp_synthetic(**kw) -> Profile:
+    return synthetic(tp_alpha_ms=0.002, tp_ms_per_mib=0.05, **kw)
+
+
+def old_groups(plan: ExecutionPlan, lost: set[int], new: ExecutionPlan) -> list[list[int]]:
+    """`new`'s tensor-parallel groups in the ranks of `plan` (new rank i is
+    plan.survivors(lost, its world)[i])."""
+    kept = plan.survivors(lost, new.world_size)
+    return sorted(sorted(kept[r] for r in g) for g in new.tp_groups())
+
+
+def test_every_strategy_has_candidates_at_tensor_parallel_8():
+    """TP 8 x PP 2 x DP 4 losing one GPU: every strategy's plan removes that GPU's group
+    whole, runs on whole groups of the old plan, and predicts as the whole plan does."""
+    plan = ExecutionPlan.failure_free(64, 8, 2, 8, 1, 32)
+    lost = {13}
+    situation = Situation(iteration=103, checkpoint_iteration=50, remaining_iterations=1000,
+                          failure_free_ms=60.0, save_interval=5)
+    ranked = candidates(plan, lost, tp_synthetic(), situation)
+    assert {c.strategy for c in ranked} == {"reroute", "takeover", "reparallelize", "restart",
+                                            "reroute+restart"}
+    groups = [sorted(g) for g in plan.tp_groups()]
+    gone = next(g for g in groups if 13 in g)
+    for c in ranked:
+        for new in (c.plan, *([c.switch.plan] if c.switch else [])):
+            assert new.tensor_parallel == 8 and new.world_size % 8 == 0
+            assert all(g in groups and g != gone for g in old_groups(plan, lost, new))
+        if c.strategy != "restart":
+            assert c.plan.world_size == 56
+        whole = whole_prediction(c.plan, tp_synthetic())
+        assert (c.iteration_ms, c.memory_bytes) == (pytest.approx(whole.iteration_ms,
+                                                                  rel=1e-12),
+                                                    whole.peak_memory_bytes)
+
+
+def test_a_lost_rank_removes_its_whole_group():
+    """TP 2 x PP 2 x DP 2 losing rank 5 (the run that found no candidate): its sibling 4
+    leaves with it, and every strategy plans over the 6 others."""
+    plan = ExecutionPlan.failure_free(8, 2, 2, 8, 1, 16)
+    assert plan.survivors({5}) == [0, 1, 2, 3, 6, 7]
+    ranked = candidates(plan, {5}, tp_synthetic(), Situation(
+        iteration=10, checkpoint_iteration=6, remaining_iterations=100, failure_free_ms=60.0))
+    assert {c.strategy for c in ranked} == {"reroute", "takeover", "reparallelize", "restart"}
+    for c in ranked:
+        assert c.plan.world_size == 6
+        assert [4, 5] not in old_groups(plan, {5}, c.plan)
+
+
+def test_a_slow_rank_slows_its_group_and_is_renumbered_with_the_survivors():
+    """Rank 3 of TP 2 x PP 2 x DP 2 is slow; after rank 1 is lost (and its sibling 0) it is
+    rank 1, in the group (0 1) that hosts the lost stage: all of it runs 3 times slower."""
+    plan = ExecutionPlan.failure_free(8, 2, 2, 8, 1, 16)
+    prof = tp_synthetic(rank_slowdown={3: 3.0})
+    rerouted = next(c for c in candidates(plan, {1}, prof, Situation(
+        iteration=10, checkpoint_iteration=6, remaining_iterations=100, failure_free_ms=60.0),
+        ("reroute",)))
+    assert rerouted.plan.pipelines[0].stages[0].hosts == {mb: [0, 1] for mb in range(8)}
+    renumbered = tp_synthetic(rank_slowdown={1: 3.0})
+    assert rerouted.iteration_ms == whole_prediction(rerouted.plan, renumbered).iteration_ms
+    assert rerouted.iteration_ms > 2 * whole_prediction(rerouted.plan,
+                                                        tp_synthetic()).iteration_ms
+
+
+def test_memory_feasibility_is_per_tensor_parallel_shard():
+    """A model whose state does not fit one GPU's memory at TP 1 fits at TP 4: the planner
+    counts each shard's parameters, gradients, optimizer state and activations."""
+    situation = Situation(iteration=10, checkpoint_iteration=6, remaining_iterations=100,
+                          failure_free_ms=60.0)
+    wide = ExecutionPlan.failure_free(16, 4, 2, 8, 1, 16)
+    ranked = candidates(wide, {3}, tp_synthetic(), situation)
+    largest = max(c.memory_bytes for c in ranked)
+    device = dataclasses.replace(tp_synthetic(), device_memory_bytes=largest)
+    assert all(c.feasible for c in candidates(wide, {3}, device, situation))
+    narrow = ExecutionPlan.failure_free(4, 1, 2, 8, 1, 16)  # the same stages, unsplit
+    assert all(c.memory_bytes > largest for c in candidates(narrow, {3}, device, situation))
+    assert choose(candidates(narrow, {3}, device, situation)) is None
+
+
+@pytest.mark.parametrize("tp, lost", [(2, {3}), (4, {5, 30}), (8, {9})])
+def test_rerouted_schedules_at_tensor_parallel_pass_the_simulator(tp, lost):
+    """Every shard of every micro-batch goes forward and backward through every layer once,
+    and the schedule cannot deadlock (simulator.check and a simulated run), with whole and
+    split backwards."""
+    from chameleon_ext.list_scheduler import list_schedule
+    from chameleon_ext.simulator import UniformCosts, simulate
+    from chameleon_ext.strategies.reroute import reroute
+    plan = reroute(ExecutionPlan.failure_free(8 * tp, tp, 4, 8, 1, 16), lost)
+    assert plan.rerouted and plan.tensor_parallel == tp
+    for split in (False, True):
+        schedule = list_schedule(plan, UniformCosts(), split_backward=split)
+        assert set(schedule.ops) == set(plan.ranks)
+        assert simulate(plan, schedule, UniformCosts()).iteration_time > 0
+    simulate(plan, choose_schedule(plan), UniformCosts())  # fused, as the executor runs it
+
+
+def test_chameleon_plan_plans_tensor_parallel_jobs(capsys):
+    import json
+
+    from chameleon_ext.plan_cli import main
+    args = ["--device", "H200", "--num-layers", "8", "--hidden-size", "1024",
+            "--num-attention-heads", "16", "--seq-length", "1024", "--micro-batch-size", "1",
+            "--vocab-size", "32000", "--world-size", "8", "--tensor-parallel", "2",
+            "--pipeline-parallel", "2", "--global-batch-size", "16", "--fail", "5", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {c["strategy"] for c in out["candidates"]} == {"reroute", "takeover",
+                                                          "reparallelize", "restart"}
+    assert out["plan"]["tensor_parallel"] == 2 and out["chosen"]["world"] == 6
+    assert out["members"] == [0, 1, 2, 3, 6, 7]
+
+
+def test_the_planner_and_a_forced_strategy_take_the_same_proposal_from_the_registry():
+    """One registry: under auto each candidate's plan is exactly what the forced strategy of
+    that name proposes for the same loss and profile."""
+    from chameleon_ext.strategies import REGISTRY, Context
+    from megatron.elastic.deciding import Decider
+    plan, lost, prof = pp4_dp2(), {5}, synthetic()
+    ranked = candidates(plan, lost, prof, Situation(
+        iteration=10, checkpoint_iteration=5, remaining_iterations=100, failure_free_ms=60.0))
+    assert {c.strategy for c in ranked} >= set(REGISTRY)
+    for c in ranked:
+        if c.strategy in REGISTRY:
+            assert c.plan == REGISTRY[c.strategy].propose(plan, lost, Context(prof)).plan
+            forced = Decider(c.strategy).after_failure(plan, list(range(8)), lost, 10).decision
+            forced_plan = REGISTRY[c.strategy].propose(plan, lost, Context()).plan
+            assert forced.strategy == c.strategy and forced.plan == forced_plan
+
+
+@pytest.mark.parametrize("lost", [{7}, {3}, {0, 5}])
+def test_reparallelize_is_never_predicted_slower_than_the_restart_replan(lost):
+    """Oobleck-like: pipelines over any subset of the survivors, idle GPUs allowed, so its
+    steady state is at least as fast as the homogeneous re-plan a restart would take."""
+    ranked = {c.strategy: c for c in candidates(
+        pp4_dp2(), lost, synthetic(layer_fwd_ms=3.0, head_fwd_ms=4.0), Situation(
+            iteration=10, checkpoint_iteration=5, remaining_iterations=100,
+            failure_free_ms=60.0), ("reparallelize", "restart"))}
+    assert ranked["reparallelize"].iteration_ms <= ranked["restart"].iteration_ms + 1e-9

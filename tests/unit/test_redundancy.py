@@ -3,7 +3,8 @@ holder that moves no state."""
 
 from chameleon_ext.perf_model import ModelShape, stage_params
 from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.planner import Situation, candidates, moved_bytes
+from chameleon_ext.planner import Situation, candidates
+from chameleon_ext.strategies.base import moved_bytes
 from chameleon_ext.strategies.redundancy import (SHADOW_BYTES_PER_PARAM, eager_cost, holder_stage,
                                                  shadow_pairs)
 from chameleon_ext.strategies.reroute import reroute

@@ -5,6 +5,7 @@ an untouched pipeline left where they were."""
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.strategies.reparallelize import (depth_mixes, pipeline_time, ranked_mixes,
                                                      reparallelize, split_micro_batches)
+from chameleon_ext.strategies.reroute import reroute
 
 
 def cost(layers: int, first: bool, last: bool) -> float:
@@ -45,6 +46,46 @@ def test_pp4_dp2_losing_a_middle_stage_keeps_the_untouched_pipeline():
     assert sum(best) == 7 and reparallelize(plan, {lost}, cost, even).world_size == 7
 
 
-def test_no_reparallelization_with_tensor_parallel_or_rerouted_stages():
-    plan = ExecutionPlan.failure_free(8, 2, 2, 8, 1, 32)
-    assert reparallelize(plan, {0}, cost, even) is None
+def test_no_reparallelization_from_rerouted_stages():
+    plan = reroute(ExecutionPlan.failure_free(8, 1, 2, 8, 1, 32), {0})
+    assert reparallelize(plan, {1}, cost, even) is None
+
+
+def test_tensor_parallel_groups_are_the_units():
+    """TP 2 x PP 4 x DP 2 losing one shard of pipeline 1's stage 2: its sibling leaves with it
+    and the 7 surviving groups form pipelines of 4 and 3 stages, each stage a whole old group."""
+    plan = ExecutionPlan.failure_free(16, 2, 4, 8, 1, 32)
+    lost = plan.pipelines[1].stages[2].ranks[1]
+    new = reparallelize(plan, {lost}, cost, even, mix=[4, 3])
+    kept = plan.survivors({lost})
+    assert new.tensor_parallel == 2 and new.world_size == 14 == len(kept)
+    old_groups = {tuple(kept.index(r) for r in g) for g in plan.surviving_groups({lost})}
+    assert {tuple(st.ranks) for p in new.pipelines for st in p.stages} == old_groups
+    assert [st.ranks for st in new.pipelines[0].stages] == \
+        [[kept.index(r) for r in st.ranks] for st in plan.pipelines[0].stages]
+    assert sorted(len(p.stages) for p in new.pipelines) == [3, 4]
+
+
+def one_by_one(layouts: list[list[int]], total: int, stage_cost) -> list[int]:
+    """split_micro_batches' rule, literally: each micro-batch after the first of every
+    pipeline goes to the pipeline that would finish it first, the lower index on a tie."""
+    counts = [1] * len(layouts)
+    for _ in range(total - len(layouts)):
+        finish = [pipeline_time(lay, c + 1, stage_cost) for lay, c in zip(layouts, counts)]
+        counts[finish.index(min(finish))] += 1
+    return counts
+
+
+def test_the_split_level_by_level_is_the_split_micro_batch_by_micro_batch():
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        layouts = [[rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
+                   for _ in range(rng.randint(1, 9))]
+        total = len(layouts) + rng.randint(0, 40)
+        weight = rng.choice([0.0, 0.25, 1.0])
+
+        def stage_cost(n: int, first: bool, last: bool) -> float:
+            return weight * (n + 0.5 * first + 0.75 * last)
+        assert split_micro_batches(layouts, total, stage_cost) == \
+            one_by_one(layouts, total, stage_cost)

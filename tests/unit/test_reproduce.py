@@ -48,6 +48,9 @@ def test_post_recovery_ratios_are_within_the_physically_sane(results):
     rows = read_csv(results / "table1.csv")
     assert {r["strategy"] for r in rows} == {"reroute", "takeover", "reparallelize",
                                              "restart", "auto"}
+    # at tensor parallelism 2 too, every strategy has a plan for every failure
+    assert {r["tp"] for r in rows} == {"1", "2"}
+    assert all(r["status"] != "no plan" for r in rows if r["tp"] == "2")
     for r in rows:
         if r["status"] != "ok":
             assert r["post/ff"] == ""
@@ -59,11 +62,13 @@ def test_post_recovery_ratios_are_within_the_physically_sane(results):
 
 
 def test_auto_is_at_least_every_fixed_policy_on_every_trace(results):
+    """On the 3 quick traces, for the trace model at tp 1 and a model at its typical tp."""
     rows = read_csv(results / "table2.csv")
-    by_trace: dict[str, dict[str, float]] = {}
+    by_trace: dict[tuple[str, str, str], dict[str, float]] = {}
     for r in rows:
-        by_trace.setdefault(r["trace"], {})[r["policy"]] = float(r["samples/s"])
-    assert len(by_trace) == 3
+        by_trace.setdefault((r["model"], r["tp"], r["trace"]), {})[r["policy"]] = \
+            float(r["samples/s"])
+    assert len(by_trace) == 6 and {tp for _, tp, _ in by_trace} == {"1", "2"}
     for trace, tput in by_trace.items():
         auto = tput.pop("auto (Chameleon)")
         assert len(tput) == 4

@@ -105,3 +105,47 @@ def test_split_backward_on_homogeneous_plan_is_no_slower_than_1f1b():
     costs = UniformCosts()
     split = simulate(plan, list_schedule(plan, costs, split_backward=True), costs)
     assert split.iteration_time <= simulate(plan, one_f_one_b(plan), costs).iteration_time
+
+
+def test_a_lost_shard_reroutes_its_whole_group_and_its_siblings_leave():
+    """TP 2 x PP 2 x DP 3: losing rank 9 (pipeline 1, stage 1, shard 1) loses the group (8 9);
+    its micro-batches go to the surviving groups of stage 1, whole, and the other ranks are
+    renumbered densely in their old order."""
+    plan = ExecutionPlan.failure_free(12, 2, 2, 4, 1, 12)
+    assert plan.pipelines[1].stages[1].ranks == [8, 9]
+    new = reroute(plan, {9})
+    assert new.world_size == 10 and new.tensor_parallel == 2
+    assert plan.survivors({9}) == [0, 1, 2, 3, 4, 5, 6, 7, 10, 11]
+    lost = new.pipelines[1].stages[1]
+    assert lost.ranks == [] and sorted(lost.hosts) == [4, 5, 6, 7]
+    assert sorted({tuple(h) for h in lost.hosts.values()}) == [(6, 7), (8, 9)]  # old (6 7) (10 11)
+    res = simulate(new, list_schedule(new, COSTS, split_backward=True), COSTS)
+    assert res.iteration_time > 0
+
+
+REROUTED_PLANS = [(8, 1, 2, 16, {3}), (16, 1, 4, 32, {1, 9}), (24, 1, 4, 48, {0, 7, 21}),
+                  (16, 2, 2, 16, {5}), (32, 2, 4, 64, {3, 20}), (64, 1, 8, 128, {10})]
+
+
+@pytest.mark.parametrize("world, tp, pp, gbs, failed", REROUTED_PLANS)
+def test_the_list_schedulers_makespan_is_the_simulated_time(world, tp, pp, gbs, failed):
+    """Its ops are placed when the simulator starts them; with no reduction or optimizer cost
+    its last forward or backward ends the simulated iteration. No schedule with whole
+    backwards ends before whole_backward_bound."""
+    from chameleon_ext.list_scheduler import timed_list_schedule, whole_backward_bound
+    plan = reroute(ExecutionPlan.failure_free(world, tp, pp, 8, 1, gbs), failed)
+    for costs in (UniformCosts(), UniformCosts(fwd=1.0, bwd=2.5, message=0.3)):
+        for split in (False, True):
+            schedule, makespan = timed_list_schedule(plan, costs, split_backward=split)
+            assert makespan == simulate(plan, schedule, costs).iteration_time
+        assert whole_backward_bound(plan, costs) <= timed_list_schedule(plan, costs)[1]
+
+
+@pytest.mark.parametrize("world, tp, pp, gbs, failed", REROUTED_PLANS)
+def test_the_executor_runs_the_faster_of_whole_and_split_backwards(world, tp, pp, gbs, failed):
+    from chameleon_ext.schedule_choice import choose_schedule
+    plan = reroute(ExecutionPlan.failure_free(world, tp, pp, 8, 1, gbs), failed)
+    whole, split = (list_schedule(plan, UniformCosts(), split_backward=s) for s in (False, True))
+    times = [simulate(plan, s, UniformCosts()).iteration_time for s in (whole, split)]
+    chosen = choose_schedule(plan, fuse=False)
+    assert chosen.ops == (whole if times[0] <= times[1] else split).ops

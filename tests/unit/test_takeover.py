@@ -42,3 +42,18 @@ def test_no_takeover_when_a_pipeline_loses_every_stage_or_from_a_rerouted_plan()
     assert takeover(plan, set(plan.pipelines[0].stages[0].ranks + plan.pipelines[0].stages[1].ranks)) is None
     rerouted = reroute(plan, {3})
     assert takeover(rerouted, {0}) is None
+
+
+def test_a_neighbouring_group_takes_over_a_lost_shards_stage():
+    """TP 4 x PP 4 x DP 2 losing one shard of pipeline 0's stage 2: that pipeline's stage 1
+    or 3 group takes its layers shard by shard; the lost group's 3 healthy ranks leave."""
+    plan = ExecutionPlan.failure_free(32, 4, 4, 8, 1, 8)
+    lost = plan.pipelines[0].stages[2].ranks[1]
+    new = takeover(plan, {lost})
+    assert new.world_size == 28 and new.tensor_parallel == 4
+    kept = plan.survivors({lost})
+    host = next(st for st in new.pipelines[0].stages if st.num_layers == 4)
+    assert [kept[r] for r in host.ranks] in (plan.pipelines[0].stages[1].ranks,
+                                             plan.pipelines[0].stages[3].ranks)
+    assert [[kept[r] for r in st.ranks] for st in new.pipelines[1].stages] == \
+        [st.ranks for st in plan.pipelines[1].stages]

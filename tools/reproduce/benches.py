@@ -27,9 +27,9 @@ def search_times(sizes: list[int], failures: list[int], repeats: int,
     for gpus in sizes:
         tp, pp, _, _ = plan_search.CLUSTERS[gpus]
         for f in failures:
-            ms, chosen = plan_search.one(gpus, f, repeats)
-            out.append(SearchTime(gpus, f"{tp} x {pp} x {gpus // (tp * pp)}", f, ms,
-                                  plan_search.TARGET_MS[gpus], chosen))
+            found = plan_search.one(gpus, f, repeats, per_strategy=False)
+            out.append(SearchTime(gpus, f"{tp} x {pp} x {gpus // (tp * pp)}", f,
+                                  found.median_ms, plan_search.TARGET_MS[gpus], found.chosen))
             if on_case:
                 on_case()
     return out

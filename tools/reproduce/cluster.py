@@ -5,9 +5,9 @@ The model conventions (sequence 2048, vocabulary 51200, micro-batch 1, global ba
 Megatron's layout tp 1 x pp 4) are tools/bench/plan_search.py's 32-GPU cluster; the other sizes
 take GPT-3's shapes (Brown et al. 2020; 13B with hidden 5120, as Megatron-LM configures it).
 
-Tensor parallelism 1 throughout: the planner loses a whole stage when one GPU of its
-tensor-parallel group dies (reroute and takeover drop the shard's siblings, reparallelize does
-not apply), so with tp > 1 only restart is left (`tensor_parallel_strategies` shows it).
+Each model runs at tensor parallelism 1 and at the degree Megatron jobs of its size typically
+use (TYPICAL_TP). A lost GPU takes its whole tensor-parallel group: every strategy plans whole
+groups, and the group's healthy GPUs leave the plan.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ DEVICE = "H200"
 # (layers, hidden, attention heads)
 SHAPES = {"1.3B": (24, 2048, 16), "2.7B": (32, 2560, 32), "6.7B": (32, 4096, 32),
           "13B": (40, 5120, 40)}
+# Megatron-LM's usual tensor-parallel degree for a GPT of each size on 80-141 GB GPUs
+TYPICAL_TP = {"1.3B": 1, "2.7B": 1, "6.7B": 2, "13B": 4}
 FIXED = ("reroute", "takeover", "reparallelize", "restart")
 # Failed GPUs are placed for up to this many failures (failed_ranks).
 MAX_FAILED = 4
@@ -36,9 +38,10 @@ TOTAL_ITERATIONS, FAILED_AT, SAVE_INTERVAL = 10_000, 5_050, 100
 
 @dataclass
 class Setup:
-    """One model on the cluster, failure-free."""
+    """One model on the cluster at one tensor-parallel degree, failure-free."""
 
     name: str
+    tp: int
     profile: Profile
     megatron: ExecutionPlan            # plan_search's layout, layers split evenly
     plan: ExecutionPlan                # the fastest homogeneous plan the planner finds
@@ -51,6 +54,10 @@ class Setup:
     def samples_per_s(self, iteration_ms: float) -> float:
         return self.global_batch / iteration_ms * 1e3
 
+    @property
+    def label(self) -> str:
+        return f"{self.name} tp {self.tp}"
+
 
 def model_shape(name: str) -> ModelShape:
     layers, hidden, heads = SHAPES[name]
@@ -59,26 +66,34 @@ def model_shape(name: str) -> ModelShape:
 
 
 @functools.cache
-def setup(name: str) -> Setup:
-    """The failure-free plan is the planner's fastest homogeneous layout over all 32 GPUs
-    (planner.replan, seeded with Megatron's layout): a recovery can then not look faster than
-    failure-free merely by finding a better layout than the baseline's."""
+def setup(name: str, tp: int = 1) -> Setup:
+    """The failure-free plan is the planner's fastest homogeneous layout over all 32 GPUs at
+    tensor parallelism `tp` (planner.replan, seeded with Megatron's layout): a recovery can
+    then not look faster than failure-free merely by finding a better layout than the
+    baseline's."""
     shape = model_shape(name)
     profile = analytical_profile(shape, DEVICE)
-    tp, pp, gbs, _ = CLUSTERS[GPUS]
+    _, pp, gbs, _ = CLUSTERS[GPUS]
     megatron = ExecutionPlan.failure_free(GPUS, tp, pp, shape.num_layers,
                                           shape.micro_batch_size, gbs)
-    plan = replan(megatron, GPUS, profile)
-    return Setup(name, profile, megatron, plan, predict_plan(plan, profile).iteration_ms)
+    plan = replan(megatron, set(), profile)
+    return Setup(name, tp, profile, megatron, plan, predict_plan(plan, profile).iteration_ms)
+
+
+def setups(names: tuple[str, ...]) -> list[Setup]:
+    """Each model at tensor parallelism 1 and at its TYPICAL_TP."""
+    return [setup(n, tp) for n in names for tp in sorted({1, TYPICAL_TP[n]})]
 
 
 def layout(plan: ExecutionPlan) -> str:
-    """`dp x pp (tp t)`, or the depths of a heterogeneous plan's pipelines."""
+    """`dp x pp`, or the depths of a heterogeneous plan's pipelines; `(tp t)` with tensor
+    parallelism."""
     depths = [len(p.stages) for p in plan.pipelines]
+    tp = f" (tp {plan.tensor_parallel})" if plan.tensor_parallel > 1 else ""
     if len(set(depths)) == 1:
-        return f"{len(depths)} x {depths[0]}"
+        return f"{len(depths)} x {depths[0]}{tp}"
     counts = {d: depths.count(d) for d in sorted(set(depths), reverse=True)}
-    return " + ".join(f"{n} x {d}" for d, n in counts.items())
+    return " + ".join(f"{n} x {d}" for d, n in counts.items()) + tp
 
 
 def stage_sizes(plan: ExecutionPlan) -> str:
@@ -86,14 +101,15 @@ def stage_sizes(plan: ExecutionPlan) -> str:
 
 
 def failed_ranks(plan: ExecutionPlan, count: int) -> list[int]:
-    """Failure i (0-based) takes the GPU of pipeline i mod dp at stage floor(i x pp / 4): whole
-    GPUs in different pipelines and at different stages, and each set holds the smaller ones."""
+    """Failure i (0-based) takes the GPU of pipeline i mod dp at stage floor(i x pp / 4),
+    tensor-parallel shard i mod tp: whole GPUs in different pipelines and at different stages
+    (each of another group), and each set holds the smaller ones."""
     if not 0 < count <= MAX_FAILED:
         raise ValueError(f"between 1 and {MAX_FAILED} failed GPUs are placed, not {count}")
     pipelines = plan.pipelines
     depth = len(pipelines[0].stages)
-    return [pipelines[i % len(pipelines)].stages[i * depth // MAX_FAILED].ranks[0]
-            for i in range(count)]
+    return [pipelines[i % len(pipelines)].stages[i * depth // MAX_FAILED].ranks[
+        i % plan.tensor_parallel] for i in range(count)]
 
 
 def situation(s: Setup) -> Situation:
@@ -118,8 +134,8 @@ class Case:
 
 
 @functools.cache
-def case(name: str, count: int) -> Case:
-    s = setup(name)
+def case(name: str, count: int, tp: int = 1) -> Case:
+    s = setup(name, tp)
     lost = failed_ranks(s.plan, count)
     return Case(s, lost, candidates(s.plan, set(lost), s.profile, situation(s), STRATEGIES))
 
@@ -131,13 +147,3 @@ def steady_ms(c: Candidate) -> float:
 
 def steady_plan(c: Candidate) -> ExecutionPlan:
     return c.switch.plan if c.switch is not None else c.plan
-
-
-def tensor_parallel_strategies(name: str, tp: int = 2) -> tuple[str, list[str]]:
-    """(the layout, the strategies that have a plan) when one GPU of a tensor-parallel group
-    is lost, the model on Megatron's pipeline depth with tensor parallelism `tp`."""
-    s = setup(name)
-    pp = CLUSTERS[GPUS][1]
-    plan = ExecutionPlan.failure_free(GPUS, tp, pp, s.plan.num_layers, 1, s.global_batch)
-    ranked = candidates(plan, {0}, s.profile, situation(s), STRATEGIES)
-    return f"tp {tp} x pp {pp} x dp {GPUS // (tp * pp)}", [c.strategy for c in ranked]

@@ -50,8 +50,9 @@ def post_recovery(path: Path, panels: dict[str, tuple[list[str], dict[str, list]
 
 
 def trace_throughput(path: Path, traces: list[str], series: dict[str, list[float]]) -> str:
-    fig, ax = plt.subplots(figsize=(11, 4))
+    fig, ax = plt.subplots(figsize=(max(11, 1.5 * len(traces)), 4))
     grouped_bars(ax, traces, series)
+    ax.tick_params(axis="x", labelsize=7)
     ax.set_ylabel("average / failure-free throughput")
     ax.set_ylim(0, 1.1)
     ax.set_title("Average throughput under failure traces, 32 H200 GPUs (analytical profile)",

@@ -10,7 +10,9 @@ starts the next one from that moment.
 - A failure of a GPU the plan uses: the planner ranks the policy's strategies on the current
   plan (planner.candidates) and takes the cheapest; where none of them has a feasible plan the
   job falls back to restart, as the real job does; where not even that fits, it stalls until
-  GPUs come back. A failure of a GPU the plan leaves idle changes nothing.
+  GPUs come back. With tensor parallelism the failed GPU's whole group leaves the plan (its
+  healthy GPUs idle until a rejoin re-plans). A failure of a GPU the plan leaves idle changes
+  nothing.
 - A chosen hybrid (reroute now, restart at the next checkpoint) switches when that checkpoint is
   written, unless another change of plan comes first.
 - A rejoin: with every GPU back, the failure-free plan; otherwise the policy's best plan over
@@ -34,7 +36,7 @@ from chameleon_ext.strategies.redundancy import eager_cost
 from tools.reproduce.cluster import Setup
 from tools.reproduce.traces import Trace
 
-STATE_BYTES_PER_PARAM = 12             # parameter and two Adam moments (planner.moved_bytes)
+STATE_BYTES_PER_PARAM = 12             # parameter and two Adam moments (strategies.base.moved_bytes)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,8 @@ POLICIES = (
     Policy("auto", "auto (Chameleon)", STRATEGIES),
     Policy("oobleck", "reparallelize only (Oobleck-like)", ("reparallelize",)),
     Policy("recycle", "reroute only (ReCycle-like)", ("reroute",)),
-    Policy("bamboo", "takeover + eager redundancy (Bamboo-like)", ("takeover",), eager=True),
+    Policy("bamboo", "takeover + eager state replication (Bamboo-like)", ("takeover",),
+           eager=True),
     Policy("megatron", "checkpoint-restart (Megatron default)", ("restart",), relaunch=True),
 )
 
@@ -128,7 +131,8 @@ class _Job:
             at, sw = self.switch
             self.advance(at)
             self.out.replans += 1
-            self._adopt(sw.plan, self.gpus, sw.iteration_ms, sw.transition_ms)
+            self._adopt(sw.plan, self._gpus_of(self.plan, set(), sw.plan), sw.iteration_ms,
+                        sw.transition_ms)
 
     def window_ms(self) -> float:
         """Until the next failure expected, or the span's end."""
@@ -150,19 +154,18 @@ class _Job:
         self.up.discard(gpu)
         if self.plan is None or gpu not in self.gpus:
             return
-        if len(self.gpus) == 1:
+        lost = {self.gpus.index(gpu)}
+        if not self.plan.survivors(lost):
             self.plan, self.gpus, self.switch = None, [], None
             return
         situation = self.situation()
-        best, fell_back = self._choose(self.plan, {self.gpus.index(gpu)},
-                                       self.policy.strategies, situation)
+        best, fell_back = self._choose(self.plan, lost, self.policy.strategies, situation)
         self.out.fallbacks += fell_back
-        survivors = [g for g in self.gpus if g != gpu]
         if best is None:
-            self.plan, self.gpus, self.switch = None, survivors, None
+            self.plan, self.gpus, self.switch = None, [g for g in self.gpus if g != gpu], None
             return
         self.out.recoveries[best.strategy] += 1
-        self._adopt(best.plan, survivors, best.iteration_ms,
+        self._adopt(best.plan, self._gpus_of(self.plan, lost, best.plan), best.iteration_ms,
                     best.transition_ms + self.relaunch_ms)
         if best.switch is not None:
             k = best.switch.at_iteration - situation.iteration + 1
@@ -170,9 +173,9 @@ class _Job:
 
     def rejoin(self, gpu: int) -> None:
         self.up.add(gpu)
-        gpus = sorted(self.up)
         down = set(range(self.world)) - self.up
         if not down:
+            gpus = sorted(self.up)
             self.out.replans += 1
             self._adopt(self.setup.plan, gpus, self.ff_ms, self._move_ms(self.setup.plan, gpus))
             return
@@ -182,17 +185,20 @@ class _Job:
         situation = self.situation()
         window = self.window_ms()
         steady = tuple(s for s in self.policy.strategies if s != "reroute+restart")
-        moves = [(self._move_ms(c.plan, gpus), c) for c in
-                 candidates(self.setup.plan, down, self.profile, situation, steady)
-                 if c.feasible]
+        ff = self.setup.plan  # its rank r is GPU r
+        moves = []
+        for c in candidates(ff, down, self.profile, situation, steady):
+            if c.feasible:
+                used = ff.survivors(down, c.plan.world_size)
+                moves.append((self._move_ms(c.plan, used), c, used))
         if not moves:
             return
-        cost, best = max(moves, key=lambda m: (window - m[0]) / m[1].iteration_ms)
+        cost, best, used = max(moves, key=lambda m: (window - m[0]) / m[1].iteration_ms)
         if self.plan is not None and \
                 (window - cost) / best.iteration_ms <= window / self.iteration_ms:
             return
         self.out.replans += 1
-        self._adopt(best.plan, gpus, best.iteration_ms, cost)
+        self._adopt(best.plan, used, best.iteration_ms, cost)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _choose(self, plan: ExecutionPlan, lost: set[int], strategies: tuple[str, ...],
@@ -205,9 +211,14 @@ class _Job:
             return best, best is not None
         return best, False
 
+    def _gpus_of(self, plan: ExecutionPlan, lost: set[int], new: ExecutionPlan) -> list[int]:
+        """The GPUs of `new`, a plan over the survivors of `plan` (run on self.gpus) without
+        `lost`: its rank i on the i-th of plan.survivors(lost, its world)."""
+        return [self.gpus[r] for r in plan.survivors(lost, new.world_size)]
+
     def _adopt(self, plan: ExecutionPlan, gpus: list[int], iteration_ms: float,
                transition_ms: float) -> None:
-        self.plan, self.gpus = plan, gpus[:plan.world_size]
+        self.plan, self.gpus = plan, gpus
         self.iteration_ms = iteration_ms
         self.resume = self.t + transition_ms
         self.switch = None
@@ -223,7 +234,7 @@ class _Job:
         old = self.plan
         rank_of = {g: r for r, g in enumerate(self.gpus)} if old is not None else {}
         moved = 0
-        for r, g in enumerate(gpus[:new.world_size]):
+        for r, g in enumerate(gpus):
             now = new.stage_of(r)
             params = stage_params(new, r, shape)
             if g in rank_of:

@@ -24,6 +24,8 @@ GIB = 2 ** 30
 MIB = 2 ** 20
 STRATEGY_ORDER = (*cluster.FIXED, "auto")
 TRACE_MODEL = "2.7B"                   # tools/bench/plan_search.py's 32-GPU model
+# with --quick, besides TRACE_MODEL: a model at its Megatron-typical tensor parallelism
+QUICK_TP_MODEL = "6.7B"
 # The paper's published averages (arXiv 2508.21613): the only numbers typed in.
 PAPER_RATIOS = {"oobleck": 1.229, "recycle": 1.355}
 # auto may trail a fixed policy by this much: it takes the best prediction at each event, which
@@ -86,6 +88,24 @@ def _models(quick: bool) -> tuple[str, ...]:
     return ("1.3B", "2.7B") if quick else tuple(cluster.SHAPES)
 
 
+def _setups(quick: bool) -> list[cluster.Setup]:
+    """Tables 1 and 2: each model at tensor parallelism 1 and at its typical degree (quick:
+    the quick models, and QUICK_TP_MODEL at its typical degree)."""
+    if quick:
+        return cluster.setups(_models(quick)) + [
+            cluster.setup(QUICK_TP_MODEL, cluster.TYPICAL_TP[QUICK_TP_MODEL])]
+    return cluster.setups(_models(quick))
+
+
+def _trace_setups(quick: bool) -> list[cluster.Setup]:
+    """Table 2: TRACE_MODEL at tensor parallelism 1 (its typical degree), and each model whose
+    typical degree is above 1 at that degree (quick: QUICK_TP_MODEL). Every trace event asks
+    the planner, so the larger models' tp 1 runs are left to table 1."""
+    names = [QUICK_TP_MODEL] if quick else [n for n, tp in cluster.TYPICAL_TP.items() if tp > 1]
+    return [cluster.setup(TRACE_MODEL)] + [cluster.setup(n, cluster.TYPICAL_TP[n])
+                                           for n in names]
+
+
 def _failures(quick: bool) -> tuple[int, ...]:
     return (1, 2) if quick else (1, 2, 4)
 
@@ -117,13 +137,13 @@ def _timed(build: Callable[[Context], Section]) -> Callable[[Context], Section]:
 def post_recovery(ctx: Context) -> Section:
     """Post-recovery throughput on 32 GPUs, every strategy and auto."""
     quick = ctx.options.quick
-    models, failures = _models(quick), _failures(quick)
+    setups, failures = _setups(quick), _failures(quick)
     detail, summary = [], []
     panels: dict[str, tuple[list[str], dict[str, list], float]] = {
-        f"{f} failed GPU(s)": (list(models), {s: [] for s in STRATEGY_ORDER},
+        f"{f} failed GPU(s)": ([s.label for s in setups], {s: [] for s in STRATEGY_ORDER},
                                (cluster.GPUS - f) / cluster.GPUS) for f in failures}
-    for name, f in tqdm([(m, f) for m in models for f in failures], desc="table 1"):
-        case = cluster.case(name, f)
+    for setup, f in tqdm([(s, f) for s in setups for f in failures], desc="table 1"):
+        case = cluster.case(setup.name, f, setup.tp)
         s = case.setup
         limit = (cluster.GPUS - f) / cluster.GPUS
         ratios = {}
@@ -136,7 +156,7 @@ def post_recovery(ctx: Context) -> Section:
             status = "no plan" if c is None else "ok" if c.feasible else "does not fit"
             after = cluster.steady_plan(c) if c is not None else None
             detail.append([
-                name, f"{cluster.layout(s.plan)} ({cluster.stage_sizes(s.plan)})",
+                s.name, s.tp, f"{cluster.layout(s.plan)} ({cluster.stage_sizes(s.plan)})",
                 s.iteration_ms, s.samples_per_s(s.iteration_ms), f,
                 " ".join(map(str, case.failed)), strategy, c.strategy if c else None,
                 cluster.layout(after) if after else None, after.world_size if after else None,
@@ -146,17 +166,19 @@ def post_recovery(ctx: Context) -> Section:
                 c.transition_ms / 1e3 if c else None, c.memory_bytes / GIB if c else None,
                 status])
         auto = case.outcome("auto")
-        summary.append([name, f"{cluster.layout(s.plan)} ({cluster.stage_sizes(s.plan)})",
+        summary.append([s.name, s.tp,
+                        f"{cluster.layout(s.plan)} ({cluster.stage_sizes(s.plan)})",
                         f, " ".join(map(str, case.failed)), *(ratios[x] for x in STRATEGY_ORDER),
                         _choice(auto), limit,
                         ratios["auto"] / limit if ratios["auto"] is not None else None])
     r = "{:.3f}"
     tables = [
-        Table("table1_summary", [("model", ""), ("failure-free layout dp x pp (layers)", ""),
+        Table("table1_summary", [("model", ""), ("tp", ""),
+                                 ("failure-free layout dp x pp (layers)", ""),
                                  ("failed GPUs", ""), ("failed ranks", "")] +
               [(f"{x} post/ff", r) for x in STRATEGY_ORDER] +
               [("auto chose", ""), ("limit (N-f)/N", r), ("auto / limit", r)], summary),
-        Table("table1", [("model", ""), ("failure-free layout", ""),
+        Table("table1", [("model", ""), ("tp", ""), ("failure-free layout", ""),
                          ("failure-free ms/iter", ""), ("failure-free samples/s", ""),
                          ("failed GPUs", ""), ("failed ranks", ""), ("strategy", ""),
                          ("candidate", ""), ("layout after", ""), ("GPUs used", ""),
@@ -165,20 +187,24 @@ def post_recovery(ctx: Context) -> Section:
                          ("transition s", ""), ("peak memory GiB", ""), ("status", "")],
               detail, markdown=False)]
     png = plots.post_recovery(ctx.options.out / "table1.png", panels)
-    tp_layout, tp_strategies = cluster.tensor_parallel_strategies(models[-1])
-    first = cluster.setup(models[0])
+    first = setups[0]
     return Section(
         1, "Post-recovery throughput, 32 GPUs", ctx.options.command,
         _profile_text(first.profile) + ", from `chameleon_ext.perf_model.analytical_profile"
         f"(shape, \"{cluster.DEVICE}\")`: **analytical**, not measured",
         f"GPT models on {cluster.GPUS} {cluster.DEVICE} GPUs "
         f"({cluster.GPUS // cluster.GPUS_PER_NODE} nodes x {cluster.GPUS_PER_NODE}), sequence 2048, global batch "
-        f"{first.global_batch}, micro-batch 1, bf16, tensor parallel 1. The failure-free plan "
-        "is the fastest homogeneous layout the planner finds on all 32 GPUs (`planner.replan` "
-        "seeded with Megatron's tp 1 x pp 4 layout of `tools/bench/plan_search.py`), so that a "
-        "recovery cannot beat it merely by a better layout. Failure i (0-based) takes the GPU "
-        "of pipeline i mod dp at stage floor(i x pp / 4): whole GPUs, in different pipelines "
-        "and at different stages (the failed ranks are listed). The planner ranks every "
+        f"{first.global_batch}, micro-batch 1, bf16; each model at tensor parallel (tp) 1 and "
+        "at the degree Megatron jobs of its size typically use ("
+        + ", ".join(f"{n} tp {t}" for n, t in cluster.TYPICAL_TP.items()) + "). The "
+        "failure-free plan is the fastest homogeneous layout the planner finds on all 32 GPUs "
+        "at that tp (`planner.replan` seeded with Megatron's tp x pp 4 layout of "
+        "`tools/bench/plan_search.py`), so that a recovery cannot beat it merely by a better "
+        "layout. Failure i (0-based) takes the GPU of pipeline i mod dp at stage "
+        "floor(i x pp / 4), shard i mod tp: whole GPUs, in different pipelines and at "
+        "different stages (the failed ranks are listed); with tp > 1 each takes its "
+        "tensor-parallel group out of the plan, its healthy GPUs idle (`GPUs used`). Every "
+        "figure is computed by the performance model: a prediction. The planner ranks every "
         "strategy's plan over the survivors (`planner.candidates`) at a failure in iteration "
         f"{cluster.FAILED_AT} of {cluster.TOTAL_ITERATIONS}, the last checkpoint at "
         f"{cluster.FAILED_AT // cluster.SAVE_INTERVAL * cluster.SAVE_INTERVAL} (one every "
@@ -186,9 +212,12 @@ def post_recovery(ctx: Context) -> Section:
         "failure-free iteration time / post-recovery iteration time (every plan keeps the "
         "global batch); limit = (N - f) / N.",
         tables, [png],
-        [f"Tensor parallelism: the planner drops the whole stage when one GPU of its "
-         f"tensor-parallel group is lost; on {models[-1]} with {tp_layout}, losing rank 0 "
-         f"leaves only: {', '.join(tp_strategies) or 'nothing'}. Hence tensor parallel 1 here.",
+        ["Tensor parallelism: every strategy recovers whole tensor-parallel groups (reroute to "
+         "a stage's surviving groups, takeover by a neighbouring group, pipelines of whole "
+         "groups, restart onto the surviving groups), so a recovery at tp t uses at most "
+         "N - f t GPUs (the limit (N - f) / N counts single GPUs). The tensor-parallel "
+         "all-reduces of each layer are costed over NVLink (`perf_model.Device.tp_gbps`), and "
+         "memory per shard.",
          "post/ff / limit above 1: the survivors' best layout does more per GPU than the "
          "failure-free one (the model predicts less than linear scaling from N - f to N "
          "GPUs, e.g. pipeline bubbles and all-reduce cost), not throughput beyond the GPUs'.",
@@ -207,91 +236,109 @@ def trace_set(o: Options) -> list[traces.Trace]:
                                                   o.repair_h, o.seed)]
 
 
-def trace_outcomes(o: Options) -> tuple[list[traces.Trace], dict[tuple[str, str],
-                                                                  simulate.Outcome]]:
-    s = cluster.setup(TRACE_MODEL)
+def trace_outcomes(o: Options, setups: list[cluster.Setup]) -> tuple[
+        list[traces.Trace], dict[tuple[str, str, str], simulate.Outcome]]:
+    """(the traces, (setup label, trace, policy) -> its outcome)."""
     costs = simulate.Costs(o.checkpoint_min, o.restart_min)
     trs = trace_set(o)
     out = {}
-    with tqdm(total=sum(len(t.events) for t in trs) * len(simulate.POLICIES),
+    with tqdm(total=sum(len(t.events) for t in trs) * len(simulate.POLICIES) * len(setups),
               desc="table 2: trace events") as bar:
-        for t in trs:
-            for p in simulate.POLICIES:
-                out[t.name, p.name] = simulate.simulate(s, p, t, costs, bar.update)
+        for s in setups:
+            for t in trs:
+                for p in simulate.POLICIES:
+                    out[s.label, t.name, p.name] = simulate.simulate(s, p, t, costs,
+                                                                     bar.update)
     return trs, out
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) \
+        if xs and all(0 < x < math.inf for x in xs) else math.inf
 
 
 @_timed
 def traces_table(ctx: Context) -> Section:
     """Average throughput under failure traces, every policy; auto's ratios beside the paper's."""
     o = ctx.options
-    s = cluster.setup(TRACE_MODEL)
-    trs, outcomes = trace_outcomes(o)
+    setups = _trace_setups(o.quick)
+    trs, outcomes = trace_outcomes(o, setups)
     policies = simulate.POLICIES
-    ff = s.samples_per_s(s.iteration_ms)
     rows, ratio_rows = [], []
     series: dict[str, list[float]] = {p.label: [] for p in policies}
-    ratios: dict[str, list[float]] = {p.name: [] for p in policies}
-    for t in trs:
-        auto = outcomes[t.name, "auto"].samples_per_s(s.global_batch)
-        for p in policies:
-            out = outcomes[t.name, p.name]
-            tput = out.samples_per_s(s.global_batch)
-            series[p.label].append(tput / ff)
-            ratios[p.name].append(auto / tput if tput > 0 else math.inf)
-            rows.append([t.name, t.failures, p.label, tput, tput / ff,
-                         ", ".join(f"{k} {v}" for k, v in out.recoveries.most_common()),
-                         out.fallbacks, out.replans, out.transition_h, out.stalled_h])
-        ratio_rows.append([t.name, ratios["oobleck"][-1], PAPER_RATIOS["oobleck"],
-                           ratios["recycle"][-1], PAPER_RATIOS["recycle"],
-                           ratios["bamboo"][-1], ratios["megatron"][-1]])
-
-    def geomean(xs: list[float]) -> float:
-        return math.exp(statistics.fmean(math.log(x) for x in xs)) \
-            if xs and all(0 < x < math.inf for x in xs) else math.inf
-
-    ratio_rows.append(["all traces (geometric mean)", geomean(ratios["oobleck"]),
-                       PAPER_RATIOS["oobleck"], geomean(ratios["recycle"]),
-                       PAPER_RATIOS["recycle"], geomean(ratios["bamboo"]),
-                       geomean(ratios["megatron"])])
+    groups = []
+    for s in setups:
+        ff = s.samples_per_s(s.iteration_ms)
+        ratios: dict[str, list[float]] = {p.name: [] for p in policies}
+        for t in trs:
+            groups.append(f"{s.label}: {t.name}")
+            auto = outcomes[s.label, t.name, "auto"].samples_per_s(s.global_batch)
+            for p in policies:
+                out = outcomes[s.label, t.name, p.name]
+                tput = out.samples_per_s(s.global_batch)
+                series[p.label].append(tput / ff)
+                ratios[p.name].append(auto / tput if tput > 0 else math.inf)
+                rows.append([s.name, s.tp, cluster.layout(s.plan), t.name, t.failures, p.label,
+                             tput, tput / ff,
+                             ", ".join(f"{k} {v}" for k, v in out.recoveries.most_common()),
+                             out.fallbacks, out.replans, out.transition_h, out.stalled_h])
+            ratio_rows.append([s.name, s.tp, t.name, ratios["oobleck"][-1],
+                               PAPER_RATIOS["oobleck"], ratios["recycle"][-1],
+                               PAPER_RATIOS["recycle"], ratios["bamboo"][-1],
+                               ratios["megatron"][-1]])
+        ratio_rows.append([s.name, s.tp, "all traces (geometric mean)",
+                           _geomean(ratios["oobleck"]), PAPER_RATIOS["oobleck"],
+                           _geomean(ratios["recycle"]), PAPER_RATIOS["recycle"],
+                           _geomean(ratios["bamboo"]), _geomean(ratios["megatron"])])
     r = "{:.3f}"
     tables = [
-        Table("table2_ratios", [("trace", ""), ("auto / Oobleck-like", r),
-                                ("paper: auto / Oobleck", r), ("auto / ReCycle-like", r),
-                                ("paper: auto / ReCycle", r), ("auto / Bamboo-like", r),
-                                ("auto / Megatron restart", r)], ratio_rows),
-        Table("table2", [("trace", ""), ("failures", ""), ("policy", ""),
-                         ("samples/s", "{:.1f}"), ("/ failure-free", r),
-                         ("recoveries", ""), ("fallbacks to restart", ""),
+        Table("table2_ratios", [("model", ""), ("tp", ""), ("trace", ""),
+                                ("auto / Oobleck-like", r), ("paper: auto / Oobleck", r),
+                                ("auto / ReCycle-like", r), ("paper: auto / ReCycle", r),
+                                ("auto / Bamboo-like (state replication)", r),
+                                ("auto / Megatron restart", r)],
+              ratio_rows),
+        Table("table2", [("model", ""), ("tp", ""), ("failure-free layout", ""), ("trace", ""),
+                         ("failures", ""), ("policy", ""), ("samples/s", "{:.1f}"),
+                         ("/ failure-free", r), ("recoveries", ""),
+                         ("fallbacks to restart", ""),
                          ("planned moves (rejoins, switches)", ""), ("in transition h", "{:.2f}"),
                          ("stalled h", "{:.2f}")], rows)]
-    png = plots.trace_throughput(o.out / "table2.png", [t.name for t in trs], series)
-    upkeep = eager_cost(s.plan, s.profile)
-    peak = predict_plan(s.plan, s.profile).peak_memory_bytes
+    png = plots.trace_throughput(o.out / "table2.png", groups, series)
+    first = setups[0]
+    upkeep = eager_cost(first.plan, first.profile)
+    peak = predict_plan(first.plan, first.profile).peak_memory_bytes
     return Section(
         2, "Average throughput under failure traces, 32 GPUs", o.command,
-        _profile_text(s.profile) + ": **analytical**",
-        f"GPT {TRACE_MODEL} on {cluster.GPUS} {cluster.DEVICE} GPUs (failure-free "
-        f"{cluster.layout(s.plan)}, {s.iteration_ms:.1f} ms/iteration, {ff:.1f} samples/s), "
-        f"{o.span_h:g} h of training simulated event by event (`tools/reproduce/simulate.py`) "
-        "with the planner's predicted iteration and transition times. Traces: a failure at "
+        _profile_text(first.profile) + ": **analytical**",
+        "GPT " + ", ".join(f"{s.label} (failure-free {cluster.layout(s.plan)}, "
+                           f"{s.iteration_ms:.1f} ms/iteration, "
+                           f"{s.samples_per_s(s.iteration_ms):.1f} samples/s)" for s in setups)
+        + f" on {cluster.GPUS} {cluster.DEVICE} GPUs, {o.span_h:g} h of training simulated "
+        "event by event (`tools/reproduce/simulate.py`) with the planner's predicted iteration "
+        "and transition times: every figure is computed by the performance model, a "
+        "prediction. With tensor parallelism (tp) a failed GPU takes its group out of the plan; "
+        "its healthy GPUs idle until a rejoin re-plans. Traces: a failure at "
         "fixed intervals (Oobleck's), and Poisson failures with an MTBF of "
         f"{o.mtbf_h:g} h; the failed GPU is drawn among those up (seed {o.seed}) and rejoins "
         f"after {o.repair_h:g} h. With every GPU back the job returns to the failure-free plan; "
         "with some back it moves to the policy's plan over the GPUs up when that pays within "
         "the next interval. Policies: **auto** (the planner's choice among every strategy and "
         "the reroute+restart hybrid), **Oobleck-like** (reparallelize only), **ReCycle-like** "
-        "(reroute only), **Bamboo-like** (takeover with eager redundancy: shadow copies kept "
-        "all the time, `strategies.redundancy.eager_cost`, `Situation(eager_redundancy=True)`), "
+        "(reroute only), **Bamboo-like, state replication** (takeover with eager redundancy: "
+        "each stage's parameters and Adam moments copied to its neighbour every iteration, "
+        "`strategies.redundancy.eager_cost`; Bamboo itself recomputes the neighbour's layers "
+        "on the same micro-batches instead, which is not modelled), "
         f"**Megatron restart** (checkpoint every {o.checkpoint_min:g} min, each recovery "
         f"relaunches the job: {o.restart_min:g} min, plus the work since the checkpoint). A "
         "policy whose strategy has no feasible plan falls back to restart (counted). The "
         "columns labelled *paper* are the paper's published averages, not computed here.",
         tables, [png],
-        [f"Bamboo-like upkeep: {upkeep.sync_ms:.1f} ms added to each failure-free iteration "
-         f"({100 * upkeep.sync_ms / s.iteration_ms:.0f}%), {upkeep.memory_bytes / GIB:.1f} "
-         f"GiB more per GPU (peak {(peak + upkeep.memory_bytes) / GIB:.1f} of "
-         f"{s.profile.device_memory_bytes / GIB:.0f} GiB).",
+        [f"Bamboo-like upkeep on {first.label}: {upkeep.sync_ms:.1f} ms added to each "
+         f"failure-free iteration ({100 * upkeep.sync_ms / first.iteration_ms:.0f}%), "
+         f"{upkeep.memory_bytes / GIB:.1f} GiB more per GPU (peak "
+         f"{(peak + upkeep.memory_bytes) / GIB:.1f} of "
+         f"{first.profile.device_memory_bytes / GIB:.0f} GiB).",
          f"auto takes the best prediction at each event, which is not always best over the "
          f"whole trace (e.g. a rerouted plan cannot be re-parallelized later); the test allows "
          f"it to trail a fixed policy by {100 * AUTO_TOLERANCE:.0f}%."])
