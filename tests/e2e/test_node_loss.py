@@ -79,9 +79,13 @@ def test_a_lost_node_is_one_failure_and_one_recovery(reference, small_data, tmp_
     kill.join()
     assert kill.returncode == 0, kill.stderr
     rec = assert_one_node_loss(run, reference, nnodes, victim)
-    assert rec["strategy"] == strategy and rec["world"] == 2 * (nnodes - 1)
-    if strategy != "reroute":
-        assert rec["moved_bytes"] > 0       # the lost ranks' layers, from their replicas
+    assert rec["strategy"] == strategy
+    if strategy == "reparallelize":     # it may also weigh plans over a subset of survivors
+        assert 0 < rec["world"] <= 2 * (nnodes - 1)
+    else:
+        assert rec["world"] == 2 * (nnodes - 1)
+    if strategy == "takeover":
+        assert rec["moved_bytes"] > 0       # the absorbed layers, from their replicas
 
 
 @pytest.mark.timeout(420)
@@ -100,10 +104,11 @@ def test_megatron_placement_loses_a_stage_with_a_node_and_restarts_from_the_chec
     assert_close(last_losses(run.metrics), reference)
     assert [(f["ranks"], f["cause"]) for f in run.events("failure")] == [([2, 3], "node")]
     rec = run.events("recovery")
-    assert [(e["strategy"], e["world"]) for e in rec] == [("restart", 2)]
+    # the restart's layout is the one predicted fastest over the 2 survivors (on 2 busy cores
+    # that may be a single rank)
+    assert [e["strategy"] for e in rec] == ["restart"] and rec[0]["world"] <= 2
     resumed = rec[0]["resume_iteration"]
-    assert resumed % 2 == 1 and f"checkpoint of iteration {resumed - 1} loaded onto pipeline 2 " \
-        "x data 1" in run.stdout
+    assert resumed % 2 == 1 and f"checkpoint of iteration {resumed - 1} loaded onto" in run.stdout
     assert [e["identical"] for e in run.events("replicas")] == [True]
 
 
@@ -116,7 +121,6 @@ def test_on_etcd_the_job_survives_the_loss_of_node_0(etcd, reference, small_data
     kill.join()
     assert kill.returncode == 0, kill.stderr
     rec = assert_one_node_loss(run, reference, 2, 0)
-    assert rec["world"] == 2
     feasible = [c for c in rec["candidates"] if c["feasible"]]
     if feasible:       # the planner had a profile: it chose the cheapest candidate
         assert rec["strategy"] == min(feasible, key=lambda c: c["total_ms"])["strategy"]
