@@ -70,3 +70,14 @@ def test_help_groups_chameleon_flags():
     for flag in ("--chameleon ", "--chameleon-metrics-file", "--chameleon-plan"):
         assert flag in section
     assert "--pipeline-model-parallel-size" not in section
+
+
+def test_placement_is_spread_with_chameleon_and_megatron_without():
+    from megatron.training.arguments import parse_args
+    assert parse_args(BASE + ["--chameleon"], world_size=1).chameleon_placement == "spread"
+    assert parse_args(BASE, world_size=1).chameleon_placement == "megatron"
+    assert parse_args(BASE + ["--chameleon-placement", "spread"],
+                      world_size=1).chameleon_placement == "spread"
+    r = run_script(BASE + ["--chameleon-placement", "round-robin"])
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--chameleon-placement: invalid choice: 'round-robin'" in r.stderr
