@@ -119,3 +119,24 @@ def test_eager_redundancy_takeover_moves_no_state(references, small_data, tmp_pa
     assert "now 1 stage(s)" in run.stdout
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
     assert_memory_within_estimates(events)
+
+
+def test_a_lost_tensor_parallel_group_is_taken_over_with_its_shards(references, small_data,
+                                                                     tmp_path):
+    """TP 2 x PP 2 x DP 2 loses both ranks of pipeline 1's last stage (a TP group fails as a
+    unit, like a node): pipeline 1's first-stage group takes over its layers, each of its ranks
+    receiving its own shard's weights and Adam moments from pipeline 0's last stage. The
+    losses are those of TP 1 (initialisation and dropout do not depend on the TP size)."""
+    run = run_chameleon(8, common(small_data, 2) + [
+        "--tensor-model-parallel-size", "2", "--chameleon", "--chameleon-strategy", "takeover",
+        "--chameleon-inject", "kill:rank=6,iter=5,phase=backward",
+        "--chameleon-inject", "kill:rank=7,iter=5,phase=backward"], tmp_path, name="tp-group")
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = run.metrics
+    assert_close(last_losses(events), references(2))
+    assert next(e for e in events if e["event"] == "failure")["ranks"] == [6, 7]
+    rec = next(e for e in events if e["event"] == "recovery")
+    assert rec["strategy"] == "takeover" and rec["moved_bytes"] > 0
+    assert "layers [0, 4) on rank(s) [2, 3]" in run.stdout
+    replicas = [e for e in events if e["event"] == "replicas"]
+    assert [e["identical"] for e in replicas] == [True] and replicas[0]["parameters"] == 2 * 52
