@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.elastic.state_transfer import CarriedState, fetch_missing
+from megatron.elastic.state_transfer import CarriedState, StateLost, fetch_missing
 from tests.launch import free_port
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ def _worker(rank: int, port: int, out: str, layout: dict, stepped: bool) -> None
     state = _state(carried, stepped)
     try:
         result = (state, fetch_missing(state, {n: torch.empty(3, 5) for n in needed}))
-    except RuntimeError as e:
+    except StateLost as e:
         result = str(e)
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
     dist.destroy_process_group()
