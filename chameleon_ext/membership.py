@@ -666,7 +666,7 @@ class Membership:
         """The leader: make the n-th admission, at the end of iteration `after`, of the
         ranks asking to join (not yet admitted, not failed), unless it is made already; in
         whole `unit`s (a tensor-parallel group: a lone shard has no place in any plan), the
-        earliest askers first."""
+        lowest ranks first."""
         key = key_admission(n)
         if self.store.check([key]):
             return
