@@ -687,10 +687,12 @@ class Membership:
         """Every rank that ever asked to join."""
         return sorted(_read_log(self.store, KEY_JOINS))
 
-    def schedule_admission(self, n: int, after: int, alive: list[int],
-                           admitted: set[int]) -> None:
+    def schedule_admission(self, n: int, after: int, alive: list[int], admitted: set[int],
+                           unit: int = 1) -> None:
         """The leader: make the n-th admission, at the end of iteration `after`, of the
-        ranks asking to join (not yet admitted, not failed), unless it is made already."""
+        ranks asking to join (not yet admitted, not failed), unless it is made already; in
+        whole `unit`s (a tensor-parallel group: a lone shard has no place in any plan), the
+        lowest ranks first."""
         key = key_admission(n)
         if self.store.check([key]):
             return
@@ -698,6 +700,7 @@ class Membership:
         if waiting:
             failed = self.failures()
             waiting = [r for r in waiting if r not in failed]
+            waiting = waiting[:len(waiting) // unit * unit]
         if waiting:
             self.store.set(key, json.dumps({"after": after, "joiners": waiting}))
 

@@ -449,7 +449,8 @@ class ElasticManager:
         needs the leader's vote, cast after it wrote the record."""
         if self.launch_rank == min(self.alive):
             self.members.schedule_admission(self.admissions, iteration + 1, self.alive,
-                                            self.admitted)
+                                            self.admitted, self.decider.target.tensor_parallel
+                                            if self.decider.target else 1)
         return self.members.admission_due(self.admissions, iteration)
 
     def stop(self) -> None:

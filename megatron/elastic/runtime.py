@@ -110,8 +110,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         tied = module.embedding.word_embeddings.weight
     seeder = None
     if config.hidden_dropout > 0 or config.attention_dropout > 0:
-        seeder = stage_model.DropoutSeeder(seed, pos.tp_rank)
-        seeder.attach(module, stage.layer_start, first)
+        seeder = stage_model.DropoutSeeder(seed)
+        seeder.attach(module, stage.layer_start, first, pos.tp_rank)
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)

@@ -211,6 +211,14 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
          f"--tensor-model-parallel-size {tp}")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    need(args.ffn_hidden_size % tp == 0,
+         f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+         f"--tensor-model-parallel-size {tp}")
+    # The padded vocabulary does not grow with TP (training._pad_vocab), so its multiple must
+    # split evenly over the tensor-parallel ranks.
+    need(args.make_vocab_size_divisible_by >= 1 and args.make_vocab_size_divisible_by % tp == 0,
+         f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} is not divisible "
+         f"by --tensor-model-parallel-size {tp}")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     need(args.seq_length <= args.max_position_embeddings,

@@ -145,6 +145,7 @@ class Trainer:
         self.finishing = False      # the final actions were scheduled
         self.watch = Stopwatch()
         self.built = None
+        self.left: NotNeeded | None = None   # a joiner the plan had no place for
         # Everything made so far (imports, data, tokenizer) lives for the whole job: out of the
         # collector's sight, so that the collections at a recovery (which close the old
         # groups' sockets) take milliseconds, not half a second.
@@ -175,6 +176,8 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
+        if self.left is not None:
+            return self._leave(self.left)
         self.reporter.start(self.plan, self.placement_line, self.built.schedule, self.start,
                             len(self.injector.job_specs),
                             f"{'apex' if _has('apex') else 'torch fallbacks (no apex)'}, packed "
@@ -405,6 +408,9 @@ class Trainer:
     def _join(self) -> None:
         try:
             t = self.elastic.join(self._enter_with(None), self.args.chameleon_join_timeout)
+        except NotNeeded as why:   # admitted, but the plan has no place for this rank
+            self.left = why
+            return
         except (Unrecoverable, membership.MembershipError, state_transfer.StateLost) as why:
             raise JobError(f"cannot join the job: {why}") from None
         self._entered(t)

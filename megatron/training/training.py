@@ -147,5 +147,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
 
 
 def _pad_vocab(vocab_size: int, args) -> int:
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    # A multiple of --make-vocab-size-divisible-by alone, not of it times the tensor-parallel
+    # size as in Megatron-LM: the padded logits take part in the softmax, so a padding that
+    # grows with TP would make the losses (and the checkpoint's shapes) depend on the layout.
+    # validate() requires the multiple to be divisible by TP: the vocabulary still splits evenly.
+    multiple = args.make_vocab_size_divisible_by
     return ((vocab_size + multiple - 1) // multiple) * multiple

@@ -1,12 +1,15 @@
 """The parallel layout never changes the numbers: pipeline 2 x data 2 and pipeline 4 x data 1 on
 4 gloo processes give the same loss per iteration as one process, and as megatron-core's own
-schedules (forward_backward_no_pipelining, 1F1B) on the same model and batches."""
+schedules (forward_backward_no_pipelining, 1F1B) on the same model and batches; so do tensor
+parallel 2 (alone and in TP 2 x PP 2 x DP 2) and plans whose unit is the TP group (a lost stage's
+micro-batches hosted by another pipeline's TP group, a pipeline with one stage fewer), with
+dropout on: initial weights and dropout masks do not depend on the TP size."""
 
 import json
 
 import pytest
 
-from tests.launch import SMALL_MODEL, assert_close, run_job
+from tests.launch import SMALL_MODEL, assert_close, run_chameleon, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -112,3 +115,62 @@ def test_rerouted_plan_with_split_backward_matches_single_process(single, small_
     assert fallback.returncode == 0, fallback.stderr[-3000:]
     assert "packed messages: torch" in fallback.stdout
     assert fallback.losses() == run.losses()
+
+
+@pytest.mark.parametrize("world,tp,pp", [(2, 2, 1), (4, 4, 1), (8, 2, 2)],
+                         ids=["tp2", "tp4", "tp2xpp2xdp2"])
+def test_tensor_parallel_layouts_match_single_process(single, small_data, tmp_path, world, tp,
+                                                      pp):
+    """TP 4 leaves one attention head and a quarter of the vocabulary to each rank."""
+    run = run_job(world, common(small_data) + ["--tensor-model-parallel-size", str(tp),
+                                               "--pipeline-model-parallel-size", str(pp)],
+                  tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"tensor parallel {tp}" in run.stdout
+    assert_close(run.losses(), single.losses())
+
+
+def tp2_plan(path, pipelines: list[dict]):
+    """A plan of TP 2 groups, 4 layers, 8 micro-batches of 2."""
+    path.write_text(json.dumps({"num_layers": 4, "tensor_parallel": 2, "micro_batch_size": 2,
+                                "num_micro_batches": 8, "pipelines": pipelines}))
+    return path
+
+
+def test_rerouted_tensor_parallel_plan_matches_single_process(single, small_data, tmp_path):
+    """TP 2 x PP 2 x DP 2 after losing pipeline 1's last stage (a whole TP group): ranks 4 and 5,
+    pipeline 0's last stage, host its micro-batches."""
+    hosted = {str(mb): [4, 5] for mb in range(4, 8)}
+    path = tp2_plan(tmp_path / "plan.json", [
+        {"stages": [{"layer_start": 0, "layer_end": 2, "ranks": [0, 1]},
+                    {"layer_start": 2, "layer_end": 4, "ranks": [4, 5]}],
+         "micro_batches": [0, 1, 2, 3]},
+        {"stages": [{"layer_start": 0, "layer_end": 2, "ranks": [2, 3]},
+                    {"layer_start": 2, "layer_end": 4, "ranks": [], "hosts": hosted}],
+         "micro_batches": [4, 5, 6, 7]}])
+    run = run_job(6, common(small_data) + ["--tensor-model-parallel-size", "2",
+                                           "--chameleon-plan", str(path)], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(run.losses(), single.losses())
+
+
+def test_heterogeneous_tensor_parallel_plan_matches_single_process(single, small_data, tmp_path):
+    """Pipelines of TP 2 groups cut differently: pipeline 0 in two stages ([0, 1) and [1, 4)),
+    pipeline 1 in one (all four layers folded into one TP group, as after a takeover), with
+    6 and 2 micro-batches. Under chameleon-launch the job ends by comparing every copy of every
+    parameter shard: those of each tensor-parallel index must stay bit-identical."""
+    path = tp2_plan(tmp_path / "plan.json", [
+        {"stages": [{"layer_start": 0, "layer_end": 1, "ranks": [0, 1]},
+                    {"layer_start": 1, "layer_end": 4, "ranks": [2, 3]}],
+         "micro_batches": [0, 1, 2, 3, 4, 5]},
+        {"stages": [{"layer_start": 0, "layer_end": 4, "ranks": [4, 5]}],
+         "micro_batches": [6, 7]}])
+    run = run_chameleon(6, common(small_data) + ["--tensor-model-parallel-size", "2",
+                                                 "--chameleon-plan", str(path), "--chameleon"],
+                        tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(run.losses(), single.losses())
+    replicas = [e for e in run.metrics if e["event"] == "replicas"]
+    # Both shards of each of the 52 parameters (4 layers x 12, embeddings, final norm).
+    assert len(replicas) == 1 and replicas[0]["identical"], replicas
+    assert replicas[0]["parameters"] == 2 * 52, replicas

@@ -71,8 +71,9 @@ def test_kill_at_iteration_5_keeps_the_loss_trajectory(references, small_data, t
 
 
 def test_without_a_surviving_replica_the_job_restarts_from_its_checkpoint(small_data, tmp_path):
-    """Pipeline 4 x data 1 loses stage 2 at iteration 5: no replica to reroute to, so the three
-    survivors reload the checkpoint of iteration 3 onto pipeline 3 x data 1 and go on."""
+    """Pipeline 4 x data 1 loses stage 2 at iteration 5: no replica to reroute to, so the
+    survivors reload the checkpoint of iteration 3 onto the homogeneous plan over them that the
+    calibrated model predicts fastest (on 2 shared cores, often fewer ranks) and go on."""
     args = SMALL_MODEL + ["--pipeline-model-parallel-size", "4", "--global-batch-size", "8",
                           "--train-iters", "8", "--lr-decay-iters", "8", "--data-path",
                           small_data, "--split", "100,0,0", "--log-interval", "1"]
@@ -87,9 +88,10 @@ def test_without_a_surviving_replica_the_job_restarts_from_its_checkpoint(small_
                                                                              7, 8]
     assert_close(last_losses(events), ref.losses())
     recovery = [e for e in events if e["event"] == "recovery"]
-    assert [(e["strategy"], e["lost_iterations"], e["resume_iteration"], e["world"])
-            for e in recovery] == [("restart", 2, 4, 3)]
-    assert "strategy restart: checkpoint of iteration 3 loaded onto pipeline 3 x data 1" in run.stdout
+    assert [(e["strategy"], e["lost_iterations"], e["resume_iteration"])
+            for e in recovery] == [("restart", 2, 4)]
+    assert 1 <= recovery[0]["world"] <= 3
+    assert "strategy restart: checkpoint of iteration 3 loaded onto pipeline " in run.stdout
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "8"
 
 

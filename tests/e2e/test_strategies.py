@@ -2,6 +2,8 @@
 failure: a worker killed in the backward of iteration 5. The job keeps the failure-free loss
 trajectory, consumes the same samples, and every copy of every parameter stays bit-identical."""
 
+import re
+
 import pytest
 
 from tests.launch import SMALL_MODEL, assert_close, last_losses, run_chameleon, run_job
@@ -119,3 +121,32 @@ def test_eager_redundancy_takeover_moves_no_state(references, small_data, tmp_pa
     assert "now 1 stage(s)" in run.stdout
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
     assert_memory_within_estimates(events)
+
+
+@pytest.mark.parametrize("strategy", ["reroute", "takeover", "reparallelize", "auto"])
+def test_a_lost_tensor_parallel_rank_takes_its_group_out(references, small_data, tmp_path,
+                                                         strategy):
+    """TP 2 x PP 2 x DP 2 loses rank 3, one shard of pipeline 1's first stage: the group is
+    the unit, so its healthy sibling, rank 2, leaves with it (exit 0; the new world is not a
+    prefix of the survivors: rank 7 stays) and every strategy recovers in-process on the
+    other six, no restart: rerouted to pipeline 0's first-stage group, taken over by pipeline
+    1's last-stage group (each of its ranks receiving its own shard's weights and Adam
+    moments), or re-parallelized. The losses are those of TP 1 (initialisation and dropout do
+    not depend on the TP size)."""
+    run = run_chameleon(8, common(small_data, 2) + [
+        "--tensor-model-parallel-size", "2", "--chameleon", "--chameleon-strategy", strategy,
+        "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"], tmp_path,
+        name=f"tp-{strategy}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = run.metrics
+    assert_close(last_losses(events), references(2))
+    rec = next(e for e in events if e["event"] == "recovery")
+    assert rec["strategy"] != "restart" and rec["world"] == 6
+    if strategy != "auto":
+        assert rec["strategy"] == strategy
+    if rec["strategy"] == "takeover":
+        assert rec["moved_bytes"] > 0 and "layers [0, 4) on rank(s) [4, 5]" in run.stdout
+    assert "launch rank 2 is not among them" in run.stdout
+    assert re.search(r"worker rank 2 \(pid \d+\) exited 0", run.stderr), run.stderr[-3000:]
+    replicas = [e for e in events if e["event"] == "replicas"]
+    assert [e["identical"] for e in replicas] == [True] and replicas[0]["parameters"] == 2 * 52

@@ -17,6 +17,10 @@ BASE = ["--num-layers", "4", "--mock-data"]
     (1, ["--pipeline-model-parallel-size", "3"], "world size 1 is not divisible"),
     (1, ["--hidden-size", "66"], "--hidden-size 66 is not divisible by --num-attention-heads"),
     (1, ["--bf16"], "need CUDA"),
+    (2, ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "99"],
+     "--ffn-hidden-size 99 is not divisible by --tensor-model-parallel-size 2"),
+    (4, ["--tensor-model-parallel-size", "4", "--make-vocab-size-divisible-by", "2"],
+     "--make-vocab-size-divisible-by 2 is not divisible by --tensor-model-parallel-size 4"),
 ])
 def test_bad_flags_exit_2_with_one_line(world, flags, message):
     r = run_script(BASE + flags, env={"WORLD_SIZE": str(world)})
