@@ -107,7 +107,10 @@ def test_a_second_kill_during_the_first_recovery(references, small_data, tmp_pat
     rec = next(e for e in run.metrics if e["event"] == "recovery")
     fail = next(e for e in run.metrics if e["event"] == "failure")
     assert sorted(fail["ranks"]) == [0, 4] and rec["attempts"] >= 2
-    assert rec["world"] == 4 and rec["strategy"] == strategy
+    assert rec["strategy"] == strategy
+    # Reroute keeps every survivor; a re-parallelization may leave some idle where a smaller
+    # homogeneous layout is predicted faster (on 2 shared cores it often is).
+    assert rec["world"] == 4 if strategy == "reroute" else 2 <= rec["world"] <= 4
 
 
 def test_a_hang_with_a_live_heartbeat_is_recovered(references, small_data, tmp_path):
