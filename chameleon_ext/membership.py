@@ -368,8 +368,8 @@ _rendezvous: dist.Store | None = None
 
 
 class PeerLost(MembershipError):
-    """A rendezvous gave up: a rank it waits for failed, exited or went stale, the generation
-    was abandoned, or its time ran out."""
+    """A rendezvous gave up: a rank it waits for failed, exited or was lost unreported, the
+    generation was abandoned, or its time ran out."""
 
 
 class RendezvousStore(dist.Store):
@@ -377,7 +377,10 @@ class RendezvousStore(dist.Store):
     whose blocking reads (gloo's connection set-up, every new_group) poll, and raise PeerLost
     as soon as a rank of the generation is lost or the generation is abandoned, so a failure
     during a reconfiguration costs milliseconds, not the rendezvous timeout. Used from the
-    thread that builds the world (it shares that thread's store connection)."""
+    thread that builds the world (it shares that thread's store connection). A rank whose
+    heartbeat is late but whose agent lives is not given up on (`unreported_losses`): its agent
+    kills and reports it if it hung, while a starved but live rank (8 ranks on 2 loaded cores
+    at start-up) would otherwise end generation 0, which has no earlier world to go back to."""
 
     _CHECK_S = 0.05   # between looks at the failure records while a key is awaited
 
@@ -411,7 +414,7 @@ class RendezvousStore(dist.Store):
         failed = m.failures()
         exits = set(m.exited())
         gone = [r for r in self._ranks if r in failed or r in exits]
-        gone += [r for r in m.stale_ranks([r for r in self._ranks if r not in gone])]
+        gone += list(m.unreported_losses([r for r in self._ranks if r not in gone]))
         if gone:
             raise PeerLost(f"rank(s) {sorted(gone)} of generation {self._generation} lost "
                            f"while its groups were being created (waiting for {keys})")
@@ -593,15 +596,6 @@ class Membership:
             if age is not None:
                 ages[r] = age
         return ages
-
-    def stale_ranks(self, ranks: list[int], now: float | None = None) -> list[int]:
-        """Ranks whose heartbeat is older than heartbeat_timeout, or whose node agent's is."""
-        now = time.time() if now is None else now
-        stale = {r for r, age in self.heartbeat_ages(list(ranks), now).items()
-                 if age > self.heartbeat_timeout}
-        lost_nodes = self.stale_nodes(now=now, nodes=self._nodes_of(ranks))
-        stale.update(r for r in ranks if self._worker_nodes.get(r) in lost_nodes)
-        return sorted(stale)
 
     def unreported_losses(self, ranks: list[int], now: float | None = None) -> dict[int, str]:
         """The ranks among `ranks` that count as lost although nobody reported them, and why:
@@ -906,7 +900,7 @@ class Membership:
     def ready(self, generation: int, ranks: list[int], timeout_s: float = 60.0,
               poll_s: float = 0.005) -> list[int]:
         """Barrier of `ranks` on the store before they build the world of `generation`: returns
-        [] once all are ready, or the ranks among them that failed, exited or went stale while
+        [] once all are ready, or the ranks among them that failed, exited or were lost while
         waiting (a failure during reconfiguration; the caller agrees again, one generation up).
         A process-group rendezvous would instead wait for a dead member until its timeout."""
         me = self._require_rank("ready")
@@ -921,7 +915,7 @@ class Membership:
                 return []
             fails, exits = self.failures(), set(self.exited())
             gone = sorted({r for r in waiting if r in fails or r in exits}
-                          | set(self.stale_ranks(waiting)))
+                          | set(self.unreported_losses(waiting)))
             if gone:
                 return gone
             if time.monotonic() > deadline:
@@ -942,13 +936,13 @@ class Membership:
     def read(self, generation: int, key: str, timeout_s: float = 60.0,
              publisher: int | None = None, poll_s: float = 0.005) -> bytes:
         """What was published under `key` for `generation`; waits up to timeout_s. With
-        `publisher`, gives up early when that rank is reported failed or goes stale."""
+        `publisher`, gives up early when that rank is reported failed or lost unreported."""
         full = f"{gen_prefix(generation)}/pub/{key}"
         deadline = time.monotonic() + timeout_s
         sleep = poll_s
         while not self.store.check([full]):
             if publisher is not None and (publisher in self.failures()
-                                          or self.stale_ranks([publisher])):
+                                          or self.unreported_losses([publisher])):
                 if self.store.check([full]):
                     break
                 raise PublishTimeout(f"publisher rank {publisher} failed before publishing "

@@ -154,7 +154,10 @@ class Trainer:
         if joining:
             self._join()
         else:
-            self.built = self._build(plan, self.rank)
+            try:
+                self.built = self._build(plan, self.rank)
+            except membership.PeerLost as e:   # generation 0 has no earlier world to go back to
+                raise JobError(f"a rank was lost while the job started: {e}") from None
             _set_random_seeds(args.seed)
             if args.load:
                 self._load_initial()

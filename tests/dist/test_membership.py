@@ -149,7 +149,7 @@ def test_agree_after_sigkill_report_and_sigstop_staleness(job_factory):
     ag = _same_agreement(res)
     assert ag["alive"] == [0, 1] and ag["failed"] == [2] and ag["causes"] == {"2": "stale"}
     assert 0.5 < waited < 5, waited
-    assert job.m.stale_ranks([0, 1, 2]) == [2]
+    assert job.m.unreported_losses([0, 1, 2]) == {2: "stale"}
     job.go(3, stop=True)
 
 
@@ -262,13 +262,13 @@ def test_heartbeat_staleness_and_node_agents(store):
     c.set(mb.key_hb(0), f"{now:.6f}")
     c.set(mb.key_hb(1), f"{now - 5:.6f}")
     c.set(mb.key_hb(2), f"off:{now - 5:.6f}")        # retired on purpose: not stale
-    assert obs.stale_ranks([0, 1, 2, 3]) == [1]        # 3: no heartbeat ever: not stale
+    assert obs.unreported_losses([0, 1, 2, 3]) == {1: "stale"}   # 3: no heartbeat ever
     # rank 3 runs on node 1 whose agent went silent: stale through its node
     c.set(mb.key_worker(3), json.dumps({"rank": 3, "node": 1, "pid": 1, "host": "h"}))
     c.set(mb.key_agent_hb(1), f"{now - 5:.6f}")
-    assert obs.stale_ranks([0, 3]) == [3]
+    assert obs.unreported_losses([0, 3]) == {3: "node"}
     c.set(mb.key_agent_done(1), "1")                   # ...unless that agent finished
-    assert obs.stale_ranks([0, 3]) == []
+    assert obs.unreported_losses([0, 3]) == {}
     m = mb.Membership(_client(store), 0, 4, heartbeat_timeout=1.0)
     m.start_heartbeat(0.05)
     try:
@@ -297,7 +297,6 @@ def test_a_lost_node_is_told_apart_from_a_silent_worker(store):
     c.set(mb.key_hb(3), f"{now - 5:.6f}")
     c.set(mb.key_hb(4), f"{now - 5:.6f}")               # node 2: no agent heartbeat at all
     assert obs.unreported_losses(list(range(6))) == {2: "node", 3: "node", 4: "stale"}
-    assert obs.stale_ranks(list(range(6))) == [1, 2, 3, 4]   # what a rendezvous gives up on
 
 
 def test_store_spec_errors(monkeypatch):
