@@ -114,6 +114,12 @@ class Trainer:
             train_ds, valid_ds, _ = providers.datasets(args, tokenizer)
         except DataError as e:
             raise JobError(str(e), exit_code=2) from None
+        if self.elastic is not None and not joining:
+            # Until here the world's collectives had --distributed-timeout-minutes, as in
+            # Megatron: megatron-core's dataset builder holds every rank in a barrier while
+            # rank 0 writes the index cache, seconds on a loaded host. Training's own
+            # collectives wait no longer than --chameleon-comm-timeout (then it is a failure).
+            _set_pg_timeout(timedelta(seconds=args.chameleon_comm_timeout), dist.group.WORLD)
         self.train_loader = MicroBatchLoader(train_ds, plan.micro_batch_size,
                                              plan.num_micro_batches)
         self.valid_loader = (MicroBatchLoader(valid_ds, plan.micro_batch_size,
@@ -548,7 +554,6 @@ def _initialize_distributed(args, elastic: ElasticManager | None) -> int:
                                  members=elastic.members)
     except membership.PeerLost as e:
         raise JobError(f"a rank was lost while the job started: {e}") from None
-    _set_pg_timeout(timedelta(seconds=args.chameleon_comm_timeout), dist.group.WORLD)
     return rank
 
 

@@ -108,5 +108,8 @@ def test_tensor_parallel_2_computes_what_one_rank_computes():
         torch.testing.assert_close(loss2, loss1, rtol=1e-5, atol=0)
         assert sorted(grads2) == sorted(WHOLE)
         for name in WHOLE:
-            torch.testing.assert_close(grads2[name], grads1[name], rtol=1e-4, atol=1e-7,
+            # Sums taken in another order differ by float32 rounding, which is absolute for an
+            # element near zero: the tolerance is scaled to the gradient's largest element.
+            scale = grads1[name].abs().max().item()
+            torch.testing.assert_close(grads2[name], grads1[name], rtol=1e-4, atol=1e-5 * scale,
                                        msg=lambda m, n=name: f"{n}: {m}")

@@ -148,7 +148,10 @@ def test_a_kill_from_outside_at_a_random_instant(references, small_data, tmp_pat
     assert kill.returncode == 0, (case, kill.stderr)
     assert_survived(run, references(3), 24, recoveries=None)
     fail = [e for e in run.metrics if e["event"] == "failure"]
-    assert [f["ranks"] for f in fail] == [[case["rank"]]], (case, fail)
+    if fail or kill.signalled_at is None:
+        assert [f["ranks"] for f in fail] == [[case["rank"]]], (case, fail)
+    else:   # the tool saw the rank past `after` late: the kill came after the job's last report
+        assert kill.signalled_at >= max(e["time"] for e in run.metrics), (case, kill.stderr)
 
 
 def test_a_kill_during_a_planned_switch(references, small_data, tmp_path):
