@@ -438,7 +438,7 @@ class Agent:
         ranks = [self.ranks[lr] for lr in self.running if self.ranks[lr] not in self.reported]
         if not ranks:
             return
-        ages = self._safe(self.m.heartbeat_ages, ranks) or {}
+        ages = self._safe(self.m.heartbeat_ages, ranks, self._store_clock()) or {}
         for rank, age in ages.items():
             if age > self.a.heartbeat_timeout:
                 self._kill_lost(rank, f"heartbeat silent for {age:.1f} s")
@@ -451,6 +451,20 @@ class Agent:
             self._signal_worker(self.ranks.index(rank), signal.SIGKILL)
             log(f"worker rank {rank} (pid {self.pids[self.ranks.index(rank)]}) was declared "
                 f"{failed[rank].cause} by {failed[rank].reporter}; killed it")
+
+    def _store_clock(self) -> float:
+        """Now, less the time the store was too busy to take this agent's own heartbeats
+        (written from this thread every hb_interval): heartbeat ages are judged as of then. A
+        stalled store holds every heartbeat back alike (measured: 5 s while 8 ranks built
+        their groups on 2 loaded cores); by the wall clock, every worker and every other node
+        would then look silent."""
+        now = time.time()
+        own = self._safe(self.store.get, mb.key_agent_hb(self.node))
+        try:
+            lag = now - float(own) - self.hb_interval
+        except (TypeError, ValueError):
+            return now
+        return now - max(0.0, lag)
 
     def _stalled(self, ranks: list[int]) -> dict[int, str]:
         """Local ranks whose published progress has not moved for longer than their phase
@@ -500,7 +514,7 @@ class Agent:
         others = [n for n in range(self.a.nnodes) if n != self.node and n not in self.lost_nodes]
         if not others:
             return
-        stale = self._safe(self.m.stale_nodes, nodes=others)
+        stale = self._safe(self.m.stale_nodes, self._store_clock(), nodes=others)
         if stale is None:
             return
         now = time.time()
@@ -608,7 +622,7 @@ class Agent:
             self._safe(self.store.compare_set, mb.key_job(), "", json.dumps(
                 {"world_size": self.world_size, "nnodes": a.nnodes, "nproc_per_node": self.nproc,
                  "heartbeat_timeout": a.heartbeat_timeout, "started": start}))
-        hb_interval = min(1.0, max(0.05, a.heartbeat_timeout / 5))
+        hb_interval = self.hb_interval = min(1.0, max(0.05, a.heartbeat_timeout / 5))
         self._safe(self.store.set, mb.key_agent_hb(self.node), f"{time.time():.6f}")
         self._start_workers()
         last_hb = time.monotonic()

@@ -368,7 +368,7 @@ _rendezvous: dist.Store | None = None
 
 
 class PeerLost(MembershipError):
-    """A rendezvous gave up: a rank it waits for failed, exited or was lost unreported, the
+    """A rendezvous gave up: a rank it waits for was reported failed or exited, the
     generation was abandoned, or its time ran out."""
 
 
@@ -377,12 +377,19 @@ class RendezvousStore(dist.Store):
     whose blocking reads (gloo's connection set-up, every new_group) poll, and raise PeerLost
     as soon as a rank of the generation is lost or the generation is abandoned, so a failure
     during a reconfiguration costs milliseconds, not the rendezvous timeout. Used from the
-    thread that builds the world (it shares that thread's store connection). A rank whose
-    heartbeat is late but whose agent lives is not given up on (`unreported_losses`): its agent
-    kills and reports it if it hung, while a starved but live rank (8 ranks on 2 loaded cores
-    at start-up) would otherwise end generation 0, which has no earlier world to go back to."""
+    thread that builds the world (it shares that thread's store connection). Only reported
+    losses count (failure records, exits): every lost rank gets a record from an agent (its own
+    for a death or a hang, another node's for a lost node). Heartbeat ages are no evidence
+    here: creating the groups of 8 ranks on 2 loaded cores stalled the agent's TCPStore for
+    5 s (measured), which made every heartbeat, node 0's agent's included, look old and ended
+    generation 0, which has no earlier world to go back to."""
 
-    _CHECK_S = 0.05   # between looks at the failure records while a key is awaited
+    # Between looks at the failure records while a key is awaited. A look is some twenty
+    # store operations; at 0.05 s, 8 ranks creating their groups on 2 loaded cores queued
+    # enough of them on the agent's TCPStore to stall it for seconds (measured: a get waited
+    # 5 s), and a stalled store makes every heartbeat look old. A loss during a rendezvous is
+    # rare (a second failure); 0.25 s more to notice it is cheap.
+    _CHECK_S = 0.25
 
     def __init__(self, members: "Membership", generation: int, ranks: list[int],
                  timeout_s: float) -> None:
@@ -393,7 +400,7 @@ class RendezvousStore(dist.Store):
 
     def _await(self, keys: list[str]) -> None:
         deadline = time.monotonic() + self._timeout_s
-        next_check = 0.0
+        next_check = time.monotonic() + self._CHECK_S   # most keys come within it: no look
         sleep = 0.001
         while not self._inner.check(keys):
             now = time.monotonic()
@@ -414,7 +421,6 @@ class RendezvousStore(dist.Store):
         failed = m.failures()
         exits = set(m.exited())
         gone = [r for r in self._ranks if r in failed or r in exits]
-        gone += list(m.unreported_losses([r for r in self._ranks if r not in gone]))
         if gone:
             raise PeerLost(f"rank(s) {sorted(gone)} of generation {self._generation} lost "
                            f"while its groups were being created (waiting for {keys})")
@@ -900,7 +906,7 @@ class Membership:
     def ready(self, generation: int, ranks: list[int], timeout_s: float = 60.0,
               poll_s: float = 0.005) -> list[int]:
         """Barrier of `ranks` on the store before they build the world of `generation`: returns
-        [] once all are ready, or the ranks among them that failed, exited or were lost while
+        [] once all are ready, or the ranks among them reported failed or exited while
         waiting (a failure during reconfiguration; the caller agrees again, one generation up).
         A process-group rendezvous would instead wait for a dead member until its timeout."""
         me = self._require_rank("ready")
@@ -909,15 +915,17 @@ class Membership:
         others = [r for r in ranks if r != me]
         deadline = time.monotonic() + timeout_s
         sleep = poll_s
+        next_look = time.monotonic() + RendezvousStore._CHECK_S
         while True:
             waiting = [r for r in others if not self.store.check([f"{ns}/ready/{r}"])]
             if not waiting:
                 return []
-            fails, exits = self.failures(), set(self.exited())
-            gone = sorted({r for r in waiting if r in fails or r in exits}
-                          | set(self.unreported_losses(waiting)))
-            if gone:
-                return gone
+            if time.monotonic() >= next_look:   # as RendezvousStore._CHECK_S: store load
+                next_look = time.monotonic() + RendezvousStore._CHECK_S
+                fails, exits = self.failures(), set(self.exited())
+                gone = sorted(r for r in waiting if r in fails or r in exits)
+                if gone:
+                    return gone
             if time.monotonic() > deadline:
                 raise AgreementTimeout(generation, timeout_s, waiting, [me], [])
             time.sleep(sleep)
@@ -936,13 +944,12 @@ class Membership:
     def read(self, generation: int, key: str, timeout_s: float = 60.0,
              publisher: int | None = None, poll_s: float = 0.005) -> bytes:
         """What was published under `key` for `generation`; waits up to timeout_s. With
-        `publisher`, gives up early when that rank is reported failed or lost unreported."""
+        `publisher`, gives up early when that rank is reported failed."""
         full = f"{gen_prefix(generation)}/pub/{key}"
         deadline = time.monotonic() + timeout_s
         sleep = poll_s
         while not self.store.check([full]):
-            if publisher is not None and (publisher in self.failures()
-                                          or self.unreported_losses([publisher])):
+            if publisher is not None and publisher in self.failures():
                 if self.store.check([full]):
                     break
                 raise PublishTimeout(f"publisher rank {publisher} failed before publishing "
