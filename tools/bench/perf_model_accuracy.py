@@ -33,6 +33,9 @@ CASES = [
     (2, 2, 3, "reroute"), (2, 2, 0, "reroute"), (2, 3, 4, "reroute"), (2, 3, 0, "reroute"),
     (1, 4, 2, "reroute"), (2, 2, 3, "restart"), (2, 3, 5, "restart"),
 ]
+# 8 to 16 workers starting on a few shared cores can each go without a heartbeat for longer
+# than the launcher's 5 s default; a lost worker is still seen at once by its exit.
+HEARTBEAT = ["--heartbeat-timeout", "30"]
 EMULATED_CASES = [
     (2, 4, 7, "reroute"), (2, 4, 0, "reroute"), (4, 2, 7, "reroute"), (2, 4, 7, "restart"),
     (2, 6, 11, "reroute"), (4, 3, 11, "reroute"), (4, 4, 15, "reroute"), (2, 8, 15, "restart"),
@@ -51,7 +54,7 @@ def one(case: tuple, iters: int, data: str, tmp: Path, name: str,
         "--train-iters", str(iters), "--data-path", data, "--split", "100,0,0",
         "--log-interval", str(iters), "--chameleon", "--chameleon-strategy", strategy,
         "--chameleon-inject", f"kill:rank={kill},iter={kill_at},phase=backward", *emulate],
-        tmp, name=name, timeout=900)
+        tmp, name=name, timeout=900, launcher_args=HEARTBEAT if emulate else ())
     if run.returncode != 0:
         raise SystemExit(f"run {name} failed:\n{run.stderr[-2000:]}")
     pred = next((e for e in run.metrics if e["event"] == "prediction"), None)
