@@ -2,6 +2,7 @@
 and the flags' checks."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,6 +11,7 @@ from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import Op, OpKind
 from megatron.elastic.emulation import (STORAGE_MIB_PER_S, Emulation, OverrunCount,
                                         emulated_profile, emulation_event)
+from megatron.training.reporting import Reporter
 from tests.launch import run_script
 from tests.profiles import synthetic_profile
 
@@ -134,6 +136,22 @@ def test_a_run_with_more_than_one_percent_overruns_is_invalid():
     assert ok["valid"] and ok["share"] == 0.01 and ok["ops"] == 1000
     bad = emulation_event([OverrunCount(500, 6, 2.5), OverrunCount(500, 5, 1.0)], 4.0)
     assert not bad["valid"] and bad["overruns"] == 11 and bad["worst_overrun_ms"] == 2.5
+
+
+def test_an_invalid_run_says_so_in_one_line_and_in_its_event(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    reporter = Reporter(SimpleNamespace(chameleon_metrics_file=str(path), tensorboard_dir=None),
+                        lead=True)
+    reporter.emulation(emulation_event([OverrunCount(100, 0)], 4.0))
+    reporter.emulation(emulation_event([OverrunCount(100, 2)], 4.0))
+    reporter.close()
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "WARNING" in line] == [
+        "WARNING: this run is invalid as an emulation: 2.0% of its ops overran their emulated "
+        "time (over 1%); raise --chameleon-emulate-dilation"]
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["event"], e["valid"], e["overruns"]) for e in events] == [
+        ("emulation", True, 0), ("emulation", False, 2)]
 
 
 @pytest.mark.parametrize("flags, message", [
