@@ -140,7 +140,10 @@ class EmulatedDevice:
 
     def received(self, op: Op) -> None:
         """After the real arrival of the message of receive `op` (a fused message once): its
-        latency on the profile's link (the simulator pays it on the receiving side)."""
+        latency on the profile's link, paid on the receiving side as in the simulator. The
+        sender's post time is not known here, so a message that was already waiting pays the
+        whole latency too (the simulator: only what is left of it), at most one link time
+        more."""
         self.emulation.pad(self.emulation.clock(), self.costs.p2p(op.peer, self.rank, op),
                            counted=False)
 
