@@ -15,8 +15,9 @@ model, and then waits (sleeps) until the profile's device would have finished:
 The waits are sleeps, never spins: while one rank sleeps the others compute on the cores it
 left. With a dilation large enough that every op's real time fits in its emulated time, each
 rank runs like a device of its own, only `dilation` times slower. An op whose real time exceeds
-its emulated time is an overrun; above OVERRUN_LIMIT of them the run does not emulate the
-profile (it is reported invalid: raise the dilation).
+its emulated time is an overrun (the first iteration under each plan, a warm-up, is not
+counted); above OVERRUN_LIMIT of them the run does not emulate the profile (it is reported
+invalid: raise the dilation).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Callable
 
 from chameleon_ext.perf_model import MIB, ModelShape, Profile, ProfileCosts, stage_params
 from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import Op
+from chameleon_ext.schedule_ir import Op, OpKind
 from chameleon_ext.simulator import reduction_components
 
 # Storage a checkpoint is written to and read from, per rank: 2 GiB/s, what one GPU node's
@@ -133,10 +134,16 @@ class EmulatedDevice:
 
     def __post_init__(self) -> None:
         self._group = reduction_components(self.plan)[self.rank]
+        # The first iteration under a plan pays one-time costs (allocations, first messages
+        # on new groups) that every timing here leaves out as warm-up: its ops are padded but
+        # not counted.
+        self._warm = False
 
     def computed(self, op: Op, began: float) -> None:
         """After compute op `op` that began at `began`: until the device would have finished."""
-        self.emulation.pad(began, self.costs.compute(self.rank, op), counted=True)
+        self.emulation.pad(began, self.costs.compute(self.rank, op), counted=self._warm)
+        if op.kind is OpKind.OPT_STEP:
+            self._warm = True
 
     def received(self, op: Op) -> None:
         """After the real arrival of the message of receive `op` (a fused message once): its

@@ -50,10 +50,19 @@ def _plan() -> ExecutionPlan:
     return ExecutionPlan.failure_free(4, 1, 2, 4, 4, 32)
 
 
+def _warm(emu: Emulation, rank: int = 0):
+    """A device past its warm-up iteration (whose ops are not counted)."""
+    dev = emu.device(_plan(), rank)
+    dev.computed(Op(OpKind.OPT_STEP), emu.clock())
+    emu.count = OverrunCount()
+    return dev
+
+
 def test_compute_op_waits_until_its_emulated_deadline():
     t = FakeTime()
     emu = _emulation(t)
-    dev = emu.device(_plan(), 0)
+    dev = _warm(emu)
+    t.slept.clear()
     began = t.now
     t.spend(0.001)  # the real forward: 1 ms
     dev.computed(Op(OpKind.FWD, 0), began)
@@ -66,13 +75,29 @@ def test_compute_op_waits_until_its_emulated_deadline():
 def test_an_op_longer_than_emulated_is_an_overrun_and_is_not_padded():
     t = FakeTime()
     emu = _emulation(t)
-    dev = emu.device(_plan(), 0)
+    dev = _warm(emu)
     began = t.now
     t.spend(0.050)
     dev.computed(Op(OpKind.BWD_INPUT, 0), began)  # emulated: 2 x 4 ms x 2 = 16 ms
     assert t.slept == []
     assert (emu.count.ops, emu.count.overruns) == (1, 1)
     assert emu.count.worst_ms == pytest.approx(34.0)
+
+
+def test_the_first_iteration_under_a_plan_is_padded_but_not_counted():
+    t = FakeTime()
+    emu = _emulation(t)
+    dev = emu.device(_plan(), 0)
+    for op in (Op(OpKind.FWD, 0), Op(OpKind.BWD, 0), Op(OpKind.OPT_STEP)):
+        began = t.now
+        t.spend(1.0)
+        dev.computed(op, began)
+    assert emu.count.ops == 0
+    began = t.now
+    dev.computed(Op(OpKind.FWD, 1), began)
+    assert emu.count.ops == 1 and t.now - began == pytest.approx(0.012)
+    emu.device(_plan(), 0).computed(Op(OpKind.FWD, 0), t.now)  # a new plan warms up again
+    assert emu.count.ops == 1
 
 
 def test_emulated_times_are_the_simulators_costs_times_the_dilation():
