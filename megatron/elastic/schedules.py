@@ -25,6 +25,7 @@ from chameleon_ext import comm
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import COMPUTE, RECV_OF, FusedMessage, Op, OpKind, Schedule
 from megatron.elastic import optimizer_step
+from megatron.elastic.emulation import EmulatedDevice
 from megatron.elastic.grad_reduction import GradReduction
 from megatron.elastic.wgrad import WeightGradStore
 
@@ -103,8 +104,7 @@ class StageRuntime:
     compute_clock: ComputeClock | None = None
     shadows: object | None = None  # megatron.elastic.shadows.Shadows: refreshed first
     memory: object | None = None   # megatron.elastic.memory_meter.MemoryMeter
-    # megatron.elastic.emulation.EmulatedDevice: ops padded to an emulated device's times
-    emulation: object | None = None
+    emulation: EmulatedDevice | None = None  # ops padded to an emulated device's times
     first: bool = field(init=False)
     last: bool = field(init=False)
 
