@@ -94,6 +94,7 @@ class Emulation:
     count: OverrunCount = field(default_factory=OverrunCount)
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.perf_counter
+    device_profile: Profile = field(init=False)   # what the planner plans with
 
     def __post_init__(self) -> None:
         self.device_profile = emulated_profile(self.profile, self.dilation)
@@ -103,7 +104,7 @@ class Emulation:
 
     def pad(self, began: float, emulated_ms: float, *, counted: bool) -> None:
         """Sleep until `emulated_ms` after `began` (perf_counter seconds); `counted`: the op's
-        real time must fit in it (compute and I/O, not a wait on a peer)."""
+        real time must fit in it (compute, not a wait on a peer or in a barrier)."""
         late = self.clock() - (began + emulated_ms / 1e3)
         if counted:
             self.count.add(late)
@@ -113,11 +114,12 @@ class Emulation:
     def transferred(self, real_bytes: int) -> None:
         """After a state transfer that brought `real_bytes` of this job's model: the link time
         of as much of the profile's model."""
-        scale = self.device_profile.shape.layer_params() / self.job_shape.layer_params()
+        if real_bytes <= 0:
+            return
         p = self.device_profile
-        if real_bytes > 0:
-            self.pad(self.clock(), p.p2p_alpha_ms + p.p2p_ms_per_mib * real_bytes * scale / MIB,
-                     counted=False)
+        scale = p.shape.layer_params() / self.job_shape.layer_params()
+        self.pad(self.clock(), p.p2p_alpha_ms + p.p2p_ms_per_mib * real_bytes * scale / MIB,
+                 counted=False)
 
     def event(self, counts: list[OverrunCount]) -> dict:
         return emulation_event(counts, self.dilation)
