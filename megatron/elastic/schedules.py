@@ -25,6 +25,7 @@ from chameleon_ext import comm
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import COMPUTE, RECV_OF, FusedMessage, Op, OpKind, Schedule
 from megatron.elastic import optimizer_step
+from megatron.elastic.emulation import EmulatedDevice
 from megatron.elastic.grad_reduction import GradReduction
 from megatron.elastic.wgrad import WeightGradStore
 
@@ -103,6 +104,7 @@ class StageRuntime:
     compute_clock: ComputeClock | None = None
     shadows: object | None = None  # megatron.elastic.shadows.Shadows: refreshed first
     memory: object | None = None   # megatron.elastic.memory_meter.MemoryMeter
+    emulation: EmulatedDevice | None = None  # ops padded to an emulated device's times
     first: bool = field(init=False)
     last: bool = field(init=False)
 
@@ -174,6 +176,8 @@ class Executor:
                 self._DISPATCH[op.kind](self, op, iteration)
                 if rt.compute_clock and op.kind in COMPUTE:
                     rt.compute_clock.add(TIMER_OF[op.kind], time.thread_time() - cpu_began)
+                if rt.emulation and op.kind in COMPUTE:
+                    rt.emulation.computed(op, began)
                 if rt.after_op:
                     rt.after_op(op, iteration, time.perf_counter() - began)
             finally:  # a failed op must not leave its timer running into the re-run
@@ -335,12 +339,16 @@ class Executor:
             buf = torch.empty(self.rt.activation_shape, dtype=self.rt.activation_dtype,
                               device=_device())
             dist.recv(buf, src=op.peer, tag=op.message_tag())
+            if self.rt.emulation:
+                self.rt.emulation.received(op)
             return buf
         if op not in self._inbox:  # the message's first member: all of them arrive now
             spec = (self.rt.activation_shape, self.rt.activation_dtype)
             buf = torch.empty(comm.packed_nbytes([spec] * len(msg.members)), dtype=torch.uint8,
                               device=_device())
             dist.recv(buf, src=msg.src, tag=msg.tag())
+            if self.rt.emulation:
+                self.rt.emulation.received(op)
             for member, tensor in zip(msg.members, comm.unpack(buf)):
                 self._inbox[Op(RECV_OF[member.kind], member.microbatch, msg.src)] = tensor
         return self._inbox.pop(op)
@@ -418,6 +426,8 @@ class Executor:
             self.rt.grad_reduction.run()  # misaligned plan: sums per segment, in global order
         else:
             self._reduce_embedding()
+        if self.rt.emulation:
+            self.rt.emulation.reduced()
 
     def _reduce_embedding(self) -> None:
         rt = self.rt
@@ -430,9 +440,14 @@ class Executor:
             dist.all_reduce(grad, group=rt.embedding_group)
 
     def _apply_step(self, grad_norm: float) -> tuple:
+        began = time.perf_counter()
         ok = optimizer_step.apply(self.rt.optimizer, grad_norm, self.rt.clip_grad)
         if ok:
             self.rt.scheduler.step(increment=self.rt.plan.global_batch_size)
+        if self.rt.emulation:
+            # The step's emulated cost is here: its preparation (the local grad norm) is
+            # short, and the commit between the two is a wait on the other ranks.
+            self.rt.emulation.computed(Op(OpKind.OPT_STEP), began)
         return ok, grad_norm
 
     _DISPATCH = {

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from chameleon_ext.faults import FaultSpecError, parse_inject
+from chameleon_ext.perf_model import Profile, ProfileError
 
 TOKENIZERS = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -137,6 +138,21 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--chameleon-profile", default=None, metavar="PATH",
                    help="performance-model profile (JSON, e.g. from tools/profile_model.py) to "
                         "plan with until this job's own timers have calibrated one")
+    g.add_argument("--chameleon-emulate", default=None, metavar="PROFILE.json",
+                   help="emulate a dedicated device of this performance-model profile per rank "
+                        "(e.g. chameleon_ext.perf_model.analytical_profile(shape, 'H200') saved "
+                        "with Profile.save): each op still computes this job's model, then "
+                        "sleeps until the profile's time for it (a layer of this job costs a "
+                        "layer of the profile's shape) times --chameleon-emulate-dilation; "
+                        "messages, gradient all-reduces, state transfers and checkpoints take "
+                        "the profile's link and storage times. The planner plans with it")
+    g.add_argument("--chameleon-emulate-dilation", type=float, default=1.0, metavar="X",
+                   help="how many times slower than the profile's device the emulated ranks "
+                        "run: large enough that every op's real computation fits in its "
+                        "emulated time while the other ranks share the cores (the run reports "
+                        "its overruns, and is invalid above 1%%); start from (ranks / cores) x "
+                        "the real op time / the profile's op time and raise it until the "
+                        "overrun share is at most 1%%")
     g.add_argument("--chameleon-redundancy", choices=("none", "eager"), default="none",
                    help="eager: every stage's parameters and optimizer state are also held by an "
                         "adjacent stage (refreshed every iteration), so a takeover moves no state")
@@ -276,6 +292,15 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.chameleon_profile is not None:
         need(Path(args.chameleon_profile).is_file(),
              f"--chameleon-profile {args.chameleon_profile}: no such file")
+
+    need(args.chameleon_emulate_dilation > 0,
+         f"--chameleon-emulate-dilation {args.chameleon_emulate_dilation:g} must be positive")
+    if args.chameleon_emulate is not None:
+        need(args.chameleon_executor == "ir", "--chameleon-emulate needs --chameleon-executor ir")
+        try:
+            Profile.load(args.chameleon_emulate)
+        except ProfileError as e:
+            raise ArgumentError(f"--chameleon-emulate: {e}") from None
 
     cuda = _cuda_available()
     if args.distributed_backend is None:

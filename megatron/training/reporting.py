@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from chameleon_ext.message_fusion import message_count
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import OpKind
+from megatron.elastic.emulation import OVERRUN_LIMIT
 from megatron.training import planning
 from megatron.training.metrics import MetricsFile, Tensorboard, iteration_line
 
@@ -238,6 +239,18 @@ class Reporter:
                   f"{planned:.2f} MiB; measured/estimated at most "
                   f"{worst['measured_bytes'] / max(worst['estimated_bytes'], 1):.3f} (rank "
                   f"{worst['rank']})")
+
+    def emulation(self, event: dict) -> None:
+        """Emulated devices: how many padded ops overran their emulated time."""
+        if not self.lead:
+            return
+        self.metrics.write("emulation", **event)
+        self.line(f"> emulation (dilation {event['dilation']:g}): {event['overruns']} of "
+                  f"{event['ops']} padded ops overran ({100 * event['share']:.2f}%)")
+        if not event["valid"]:
+            self.line(f"WARNING: this run is invalid as an emulation: "
+                      f"{100 * event['share']:.1f}% of its ops overran their emulated time "
+                      f"(over {100 * OVERRUN_LIMIT:g}%); raise --chameleon-emulate-dilation")
 
     def replicas(self, everyone: list[dict[str, str]]) -> None:
         """Every copy of every parameter and optimizer-state tensor must be bit-identical."""

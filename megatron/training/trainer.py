@@ -31,13 +31,14 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from chameleon_ext import comm, membership, placement
 from chameleon_ext.decision import Decision
 from chameleon_ext.faults import Injector
-from chameleon_ext.perf_model import ProfileError, predict_plan
+from chameleon_ext.perf_model import Profile, ProfileError, predict_plan
 from chameleon_ext.plan import ExecutionPlan
 from chameleon_ext.schedule_ir import COMPUTE
 from chameleon_ext.strategies import redundancy
 from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
 from megatron.elastic.calibration import LiveCalibration
 from megatron.elastic.deciding import Decider, Planning
+from megatron.elastic.emulation import Emulation
 from megatron.elastic.manager import (PHASE_OF, Admission, ElasticConfig, ElasticManager,
                                       Entered, Failure, NotNeeded, PlannedSwitch, Unrecoverable)
 from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock
@@ -99,9 +100,15 @@ class Trainer:
                              else args.timing_log_level, "minmax")
         compute_clock = ComputeClock()
         self.calibration = self.clock = None
+        self.emulation = Emulation(Profile.load(args.chameleon_emulate),
+                                   args.chameleon_emulate_dilation, planning.model_shape(args)) \
+            if args.chameleon_emulate else None
         if self.elastic is not None:
             try:
-                base = planning.base_profile(args, args.distributed_backend == "nccl")
+                # Emulating: plan as on the emulated devices (calibration refines it from
+                # the padded timers).
+                base = self.emulation.device_profile if self.emulation else \
+                    planning.base_profile(args, args.distributed_backend == "nccl")
             except ProfileError as e:
                 raise JobError(str(e), exit_code=2) from None
             self.calibration = LiveCalibration(self.elastic.store, self.elastic.launch_rank,
@@ -282,6 +289,8 @@ class Trainer:
             due.append(self._report_memory)
         if self.elastic is not None:
             due.append(self._check_replicas)
+        if self.emulation is not None:
+            due.append(self._report_emulation)
         return due
 
     # ---- actions at iteration boundaries -----------------------------------------------------
@@ -318,7 +327,8 @@ class Trainer:
     def _save(self) -> None:
         a, it = self.args, self.iteration
         timeouts = (a.chameleon_save_timeout, a.chameleon_comm_timeout) if a.chameleon else None
-        with self._boundary("checkpoint", a.chameleon_save_timeout):
+        with self._boundary("checkpoint", a.chameleon_save_timeout), \
+                self._emulated_io(self.built.runtime):
             path = checkpointing.save(
                 a.save, it, self.built.runtime, tied_embeddings=self.tied, timeouts=timeouts,
                 meta={**self.model_meta, "consumed_samples": self.consumed,
@@ -360,6 +370,20 @@ class Trainer:
                 / max(len(self.reporter.times), 1))
         with self._boundary("shutdown"):
             self.reporter.shadows(_gather(mine))
+
+    def _report_emulation(self) -> None:
+        with self._boundary("shutdown"):
+            everyone = _gather(self.emulation.count)
+        self.reporter.emulation(self.emulation.event(everyone))
+
+    @staticmethod
+    @contextmanager
+    def _emulated_io(rt):
+        """A checkpoint save or load of `rt`, padded to its emulated device's storage time."""
+        began = time.perf_counter()
+        yield
+        if rt.emulation is not None:
+            rt.emulation.checkpoint_io(began)
 
     def _report_memory(self) -> None:
         """Every rank's measured memory (training state, shadow copies, the most activations
@@ -473,6 +497,9 @@ class Trainer:
             rt.before_op, rt.commit = self.elastic.before_op, self.elastic.commit
             rt.tick = lambda it, phase, waiting: self.elastic.tick(it + 1, phase, waiting)
         rt.after_op = _slowed(self.injector) if self.injector.has_slow() else None
+        if self.emulation is not None:
+            rt.emulation = self.emulation.device(plan, rank)
+            self.emulation.transferred(built.received_bytes)
         if self.calibration is not None:
             self.calibration.start(plan, rank, built.schedule.ops[rank],
                                    built.shadows is not None, rt.memory)
@@ -485,14 +512,16 @@ class Trainer:
         if not root:
             return None
         timeouts = (a.chameleon_save_timeout, a.chameleon_comm_timeout) if a.chameleon else None
-        return checkpointing.load(root, rt, tied_embeddings=self.tied, expect=self.model_meta,
-                                  timeouts=timeouts)
+        with self._emulated_io(rt):
+            return checkpointing.load(root, rt, tied_embeddings=self.tied,
+                                      expect=self.model_meta, timeouts=timeouts)
 
     def _load_initial(self) -> None:
         a = self.args
         try:
-            meta = checkpointing.load(a.load, self.built.runtime, tied_embeddings=self.tied,
-                                      expect=self.model_meta)
+            with self._emulated_io(self.built.runtime):
+                meta = checkpointing.load(a.load, self.built.runtime, tied_embeddings=self.tied,
+                                          expect=self.model_meta)
         except checkpointing.CheckpointError as e:
             raise JobError(str(e), exit_code=2) from None
         if meta is None:
