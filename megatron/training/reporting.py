@@ -34,6 +34,7 @@ class Reporter:
     events: list[tuple[int, int]] = field(default_factory=list)
     check: planning.PredictionCheck | None = None
     skipped: int = 0
+    last_record: dict | None = None              # the last iteration's metrics fields
 
     def __post_init__(self) -> None:
         self.metrics = MetricsFile(self.args.chameleon_metrics_file)
@@ -69,6 +70,13 @@ class Reporter:
                 self.bar = tqdm(total=a.train_iters, initial=start, desc="training", unit="it",
                                 file=sys.stderr, dynamic_ncols=True)
 
+    def took_over(self, applied: int) -> None:
+        """This rank became the lead in a transition that lost the old one, which may have
+        died between the step of `applied` (every rank knows its loss from the commit) and its
+        record: the record is written again (a reader keeps the last line of an iteration)."""
+        if self.last_record is not None and self.last_record["iteration"] == applied:
+            self.metrics.write("iteration", **self.last_record)
+
     def iteration(self, it: int, res, ms: float, consumed: int, plan: ExecutionPlan,
                   strategy: str, lr: float, timers_text) -> None:
         a = self.args
@@ -78,11 +86,12 @@ class Reporter:
         if self.check and self.check.add(ms):
             self.prediction()
         tokens_per_s = plan.global_batch_size * a.seq_length / (ms / 1e3)
+        self.last_record = dict(iteration=it, loss=res.loss, consumed_samples=consumed,
+                                elapsed_ms=round(ms, 3), tokens_per_s=round(tokens_per_s, 1),
+                                world=plan.world_size, generation=plan.generation,
+                                strategy=strategy)
         if self.lead:
-            self.metrics.write("iteration", iteration=it, loss=res.loss,
-                               consumed_samples=consumed, elapsed_ms=round(ms, 3),
-                               tokens_per_s=round(tokens_per_s, 1), world=plan.world_size,
-                               generation=plan.generation, strategy=strategy)
+            self.metrics.write("iteration", **self.last_record)
         self.tb.scalars(it, **{"lm loss": res.loss, "learning-rate": lr,
                                "grad-norm": res.grad_norm, "iteration-time": ms / 1e3,
                                "tokens-per-second": tokens_per_s})

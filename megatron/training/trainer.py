@@ -454,7 +454,9 @@ class Trainer:
 
     def _entered(self, t) -> None:
         self.plan, self.rank, self.iteration = t.plan, t.rank, t.entered.applied
-        self.reporter.lead = t.rank == 0
+        was_lead, self.reporter.lead = self.reporter.lead, t.rank == 0
+        if self.reporter.lead and not was_lead:
+            self.reporter.took_over(self.iteration)
         self.strategy = t.decision.strategy
         self.switch = t.decision.switch
         self.watch.lap_ms()

@@ -66,7 +66,8 @@ def test_each_strategy_keeps_the_loss_trajectory(references, small_data, tmp_pat
         assert rec[0]["moved_bytes"] > 0  # the absorbed layers' weights and Adam moments
         assert f"now {pp - 1} stage(s)" in run.stdout
     if rec[0]["strategy"] == "reparallelize":
-        assert rec[0]["moved_bytes"] > 0 and rec[0]["world"] == 2 * pp - 1
+        # every survivor, or fewer where a smaller homogeneous layout is predicted faster
+        assert rec[0]["moved_bytes"] > 0 and 0 < rec[0]["world"] <= 2 * pp - 1
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
     assert_memory_within_estimates(events)
 
