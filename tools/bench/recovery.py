@@ -99,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def row(label: str, res: list[dict]) -> None:
         for r in res:
-            print(f"{label}: detect {r['detect_ms']:.0f} ms, reconfigure "
+            # a failure event has no detection time when no failure record timed the death
+            detect = "n/a" if r["detect_ms"] is None else f"{r['detect_ms']:.0f}"
+            print(f"{label}: detect {detect} ms, reconfigure "
                   f"{r['reconfigure_ms']:.0f} ms, to next iteration {r['to_next_ms']:.0f} ms, "
                   f"after/before {r['ratio']:.2f}"
                   + (f", cause {r['cause']}" if "cause" in r else ""), flush=True)
-        med = {k: statistics.median(r[k] for r in res)
+        med = {k: statistics.median([r[k] for r in res if r[k] is not None] or [float("nan")])
                for k in ("detect_ms", "reconfigure_ms", "to_next_ms", "ratio")}
         rows.append((label, med, max(r["lost"] for r in res), all(r["complete"] for r in res)))
 
