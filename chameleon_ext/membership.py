@@ -193,22 +193,27 @@ class PublishTimeout(MembershipError, TimeoutError):
     """read() found nothing published under the key in time (or its publisher failed)."""
 
 
+class _JsonRecord:
+    """The JSON round-trip of a flat dataclass on the store; keys it does not know are left
+    out (a record written by a newer version)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes):
+        d = json.loads(text)
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
 @dataclass
-class FailureRecord:
+class FailureRecord(_JsonRecord):
     rank: int
     cause: str                  # one of CAUSES
     detail: str = ""
     time: float = 0.0           # wall time the failure was observed
     detect_ms: float | None = None   # failure -> record latency, when the reporter knows it
     reporter: str = ""          # "agent node 0 pid 123", "rank 2 pid 456", ...
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "FailureRecord":
-        d = json.loads(text)
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 @dataclass
@@ -248,7 +253,7 @@ class DivergedSteps(MembershipError):
 
 
 @dataclass(frozen=True)
-class Progress:
+class Progress(_JsonRecord):
     """What a worker's main thread is doing, published with its heartbeat. A hang shows as a
     `seq` that stops moving while the heartbeat thread lives on; `waiting` phases (a receive, a
     collective, an agreement) are those of a hang's victims, never of its cause."""
@@ -258,14 +263,6 @@ class Progress:
     phase: str = "start"
     waiting: bool = False
     allow_s: float = 0.0        # how long this phase may go without a bump (0: no limit)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Progress":
-        d = json.loads(text)
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 # ----------------------------------------------------------------------------------- the store

@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,6 +37,21 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def failure_free_losses(args_of: Callable[[int], list[str]],
+                        tmp_path_factory) -> Callable[[int], list[float]]:
+    """k -> the losses of `args_of(k)` on 2 * k processes under plain torchrun (no
+    --chameleon): the independent failure-free reference of a test module, each run once."""
+    cache: dict[int, list[float]] = {}
+
+    def get(k: int) -> list[float]:
+        if k not in cache:
+            run = run_job(2 * k, args_of(k), tmp_path_factory.mktemp(f"ref{k}"), name="ref")
+            assert run.returncode == 0, run.stderr[-3000:]
+            cache[k] = run.losses()
+        return cache[k]
+    return get
 
 
 @dataclass

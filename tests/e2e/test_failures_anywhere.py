@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from tests.launch import (SMALL_MODEL, LateKill, assert_close, free_port, last_losses,
-                          run_chameleon, run_job)
+from tests.launch import (SMALL_MODEL, LateKill, assert_close, failure_free_losses, free_port,
+                          last_losses, run_chameleon)
 
 pytestmark = pytest.mark.slow
 ITERS = 10
@@ -25,16 +25,7 @@ def common(data: str, dp: int) -> list[str]:
 @pytest.fixture(scope="module")
 def references(small_data, tmp_path_factory):
     """Failure-free losses of pipeline 2 x data dp under plain torchrun, each run once."""
-    cache: dict[int, list[float]] = {}
-
-    def get(dp: int) -> list[float]:
-        if dp not in cache:
-            run = run_job(2 * dp, common(small_data, dp), tmp_path_factory.mktemp(f"ref{dp}"),
-                          name="ref")
-            assert run.returncode == 0, run.stderr[-3000:]
-            cache[dp] = run.losses()
-        return cache[dp]
-    return get
+    return failure_free_losses(lambda dp: common(small_data, dp), tmp_path_factory)
 
 
 def assert_survived(run, reference: list[float], gbs: int, recoveries: int | None = 1) -> None:

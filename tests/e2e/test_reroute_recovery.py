@@ -4,7 +4,8 @@ every iteration with the failure-free losses."""
 
 import pytest
 
-from tests.launch import SMALL_MODEL, assert_close, last_losses, run_chameleon, run_job
+from tests.launch import (SMALL_MODEL, assert_close, failure_free_losses, last_losses,
+                          run_chameleon, run_job)
 
 pytestmark = pytest.mark.slow
 REROUTE = ["--chameleon", "--chameleon-strategy", "reroute"]  # not the default, auto
@@ -19,16 +20,7 @@ def common(data: str, dp: int = 2) -> list[str]:
 @pytest.fixture(scope="module")
 def references(small_data, tmp_path_factory):
     """Failure-free losses of pipeline 2 x data dp, by dp (each run once)."""
-    cache: dict[int, list[float]] = {}
-
-    def get(dp: int) -> list[float]:
-        if dp not in cache:
-            run = run_job(2 * dp, common(small_data, dp), tmp_path_factory.mktemp(f"ref{dp}"),
-                          name="ref")
-            assert run.returncode == 0, run.stderr[-3000:]
-            cache[dp] = run.losses()
-        return cache[dp]
-    return get
+    return failure_free_losses(lambda dp: common(small_data, dp), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from tests.launch import SMALL_MODEL, assert_close, last_losses, run_chameleon, run_job
+from tests.launch import (SMALL_MODEL, assert_close, failure_free_losses, last_losses,
+                          run_chameleon)
 
 pytestmark = pytest.mark.slow
 ITERS = 10
@@ -21,16 +22,7 @@ def common(data: str, pp: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def references(small_data, tmp_path_factory):
-    cache: dict[int, list[float]] = {}
-
-    def get(pp: int) -> list[float]:
-        if pp not in cache:
-            run = run_job(2 * pp, common(small_data, pp), tmp_path_factory.mktemp(f"ref{pp}"),
-                          name="ref")
-            assert run.returncode == 0, run.stderr[-3000:]
-            cache[pp] = run.losses()
-        return cache[pp]
-    return get
+    return failure_free_losses(lambda pp: common(small_data, pp), tmp_path_factory)
 
 
 # pipeline depth, killed rank: pp2 x dp2 loses pipeline 1's last stage; pp4 x dp2 (one layer a
