@@ -21,7 +21,9 @@ from tests.launch import (SMALL_MODEL, LateKill, assert_close, free_port, last_l
                           run_nodes)
 
 pytestmark = pytest.mark.slow
-ITERS = 8
+# Long enough for the kills after iteration 3-4 to land in training: the tool sees a worker's
+# progress as published with its heartbeat (every 0.5 s at most), up to 5 iterations late here.
+ITERS = 16
 # A lost node's ranks are known once its agent's heartbeat is this old (seconds): above the
 # scheduling hiccups of a loaded 2-core host, below what makes the tests slow.
 NODE_LOSS = ["--heartbeat-timeout", "3"]

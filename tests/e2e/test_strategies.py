@@ -122,10 +122,10 @@ def test_a_lost_tensor_parallel_rank_takes_its_group_out(references, small_data,
     """TP 2 x PP 2 x DP 2 loses rank 3, one shard of pipeline 1's first stage: the group is
     the unit, so its healthy sibling, rank 2, leaves with it (exit 0; the new world is not a
     prefix of the survivors: rank 7 stays) and every strategy recovers in-process on the
-    other six, no restart: rerouted to pipeline 0's first-stage group, taken over by pipeline
-    1's last-stage group (each of its ranks receiving its own shard's weights and Adam
-    moments), or re-parallelized. The losses are those of TP 1 (initialisation and dropout do
-    not depend on the TP size)."""
+    other six (a re-parallelization possibly on fewer), no restart: rerouted to pipeline 0's
+    first-stage group, taken over by pipeline 1's last-stage group (each of its ranks
+    receiving its own shard's weights and Adam moments), or re-parallelized. The losses are
+    those of TP 1 (initialisation and dropout do not depend on the TP size)."""
     run = run_chameleon(8, common(small_data, 2) + [
         "--tensor-model-parallel-size", "2", "--chameleon", "--chameleon-strategy", strategy,
         "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"], tmp_path,
@@ -134,7 +134,9 @@ def test_a_lost_tensor_parallel_rank_takes_its_group_out(references, small_data,
     events = run.metrics
     assert_close(last_losses(events), references(2))
     rec = next(e for e in events if e["event"] == "recovery")
-    assert rec["strategy"] != "restart" and rec["world"] == 6
+    assert rec["strategy"] != "restart"
+    # a re-parallelization may leave whole groups idle (a smaller layout predicted faster)
+    assert 2 <= rec["world"] <= 6 if rec["strategy"] == "reparallelize" else rec["world"] == 6
     if strategy != "auto":
         assert rec["strategy"] == strategy
     if rec["strategy"] == "takeover":
