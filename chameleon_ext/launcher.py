@@ -430,7 +430,7 @@ class Agent:
 
     # ------------------------------------------------------------------ watching others
 
-    def _check_hangs(self) -> None:
+    def _check_hangs(self, clock: float) -> None:
         """Kill the local workers that are lost although their process lives: a silent
         heartbeat (the whole process stopped), progress that stalled past its phase's allowance
         while peers wait on them (a main thread stuck with its heartbeat thread alive), or a
@@ -438,7 +438,7 @@ class Agent:
         ranks = [self.ranks[lr] for lr in self.running if self.ranks[lr] not in self.reported]
         if not ranks:
             return
-        ages = self._safe(self.m.heartbeat_ages, ranks, self._store_clock()) or {}
+        ages = self._safe(self.m.heartbeat_ages, ranks, clock) or {}
         for rank, age in ages.items():
             if age > self.a.heartbeat_timeout:
                 self._kill_lost(rank, f"heartbeat silent for {age:.1f} s")
@@ -510,11 +510,11 @@ class Agent:
             return [int(r) for r in info["ranks"]]
         return list(range(node * self.nproc, (node + 1) * self.nproc))
 
-    def _check_nodes(self, start: float) -> None:
+    def _check_nodes(self, start: float, clock: float) -> None:
         others = [n for n in range(self.a.nnodes) if n != self.node and n not in self.lost_nodes]
         if not others:
             return
-        stale = self._safe(self.m.stale_nodes, self._store_clock(), nodes=others)
+        stale = self._safe(self.m.stale_nodes, clock, nodes=others)
         if stale is None:
             return
         now = time.time()
@@ -642,8 +642,9 @@ class Agent:
                 self._safe(self.store.set, mb.key_agent_hb(self.node), f"{time.time():.6f}")
                 last_hb = mono
             if mono - last_watch >= min(hb_interval, 0.25):
-                self._check_hangs()
-                self._check_nodes(start)
+                clock = self._store_clock()
+                self._check_hangs(clock)
+                self._check_nodes(start, clock)
                 last_watch = mono
             self._check_failure_budget()
             if self.running:
@@ -658,7 +659,7 @@ class Agent:
             if time.monotonic() - last_hb >= hb_interval:
                 self._safe(self.store.set, mb.key_agent_hb(self.node), f"{time.time():.6f}")
                 last_hb = time.monotonic()
-            self._check_nodes(start)
+            self._check_nodes(start, self._store_clock())
             self._check_failure_budget()
             self._wait(POLL_S)
         code = self._summary()

@@ -364,6 +364,13 @@ def rebuild_world(store: dist.Store, agreement: Agreement, old_rank: int, backen
 _rendezvous: dist.Store | None = None
 
 
+# Between looks at the failure records while a rendezvous key or a barrier is awaited. A look
+# is a few store operations per rank; at 0.05 s, 8 ranks creating their groups on 2 loaded cores
+# queued enough of them on the agent's TCPStore to stall it for seconds (measured: a get waited
+# 5 s). A loss during a rendezvous is rare (a second failure); 0.25 s more to notice it is cheap.
+LOSS_CHECK_S = 0.25
+
+
 class PeerLost(MembershipError):
     """A rendezvous gave up: a rank it waits for was reported failed or exited, the
     generation was abandoned, or its time ran out."""
@@ -381,13 +388,6 @@ class RendezvousStore(dist.Store):
     5 s (measured), which made every heartbeat, node 0's agent's included, look old and ended
     generation 0, which has no earlier world to go back to."""
 
-    # Between looks at the failure records while a key is awaited. A look is some twenty
-    # store operations; at 0.05 s, 8 ranks creating their groups on 2 loaded cores queued
-    # enough of them on the agent's TCPStore to stall it for seconds (measured: a get waited
-    # 5 s), and a stalled store makes every heartbeat look old. A loss during a rendezvous is
-    # rare (a second failure); 0.25 s more to notice it is cheap.
-    _CHECK_S = 0.25
-
     def __init__(self, members: "Membership", generation: int, ranks: list[int],
                  timeout_s: float) -> None:
         super().__init__()
@@ -397,13 +397,13 @@ class RendezvousStore(dist.Store):
 
     def _await(self, keys: list[str]) -> None:
         deadline = time.monotonic() + self._timeout_s
-        next_check = time.monotonic() + self._CHECK_S   # most keys come within it: no look
+        next_check = time.monotonic() + LOSS_CHECK_S   # most keys come within it: no look
         sleep = 0.001
         while not self._inner.check(keys):
             now = time.monotonic()
             if now >= next_check:
                 self._check(keys)
-                next_check = now + self._CHECK_S
+                next_check = now + LOSS_CHECK_S
             if now > deadline:
                 raise PeerLost(f"rendezvous of generation {self._generation}: keys {keys} not "
                                f"set within {self._timeout_s:g} s")
@@ -912,13 +912,13 @@ class Membership:
         others = [r for r in ranks if r != me]
         deadline = time.monotonic() + timeout_s
         sleep = poll_s
-        next_look = time.monotonic() + RendezvousStore._CHECK_S
+        next_look = time.monotonic() + LOSS_CHECK_S
         while True:
             waiting = [r for r in others if not self.store.check([f"{ns}/ready/{r}"])]
             if not waiting:
                 return []
-            if time.monotonic() >= next_look:   # as RendezvousStore._CHECK_S: store load
-                next_look = time.monotonic() + RendezvousStore._CHECK_S
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + LOSS_CHECK_S
                 fails, exits = self.failures(), set(self.exited())
                 gone = sorted(r for r in waiting if r in fails or r in exits)
                 if gone:
