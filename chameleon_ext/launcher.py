@@ -45,6 +45,8 @@ With --max-restarts N, the agent starts up to N failed workers of its node again
 new rank (world size + the job's restart count, from the store's ``chameleon/next_member``) with
 CHAMELEON_JOIN=1: the failed rank stays failed, and the new one asks to join the running job
 (pretrain_gpt.py --chameleon admits it at an iteration boundary; see megatron.elastic.manager).
+--restart-delay S keeps the slot empty for S seconds first (a repair time, as a failure trace
+states one); a restart still due when the node's last worker ends is dropped.
 
 The agent ends when every worker of the job has exited or been reported failed. Exit status: the
 workers' own code when every worker of the node exited with the same non-zero code and nothing
@@ -121,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "restarted worker gets a new rank and joins the running job "
                         "(CHAMELEON_JOIN=1: pretrain_gpt.py --chameleon is admitted at an "
                         "iteration boundary)")
+    p.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds a failed worker's slot stays empty before --max-restarts "
+                        "starts it again (default 0: at once)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds after which a silent heartbeat means a lost worker or node")
     p.add_argument("--store", metavar="ADDRESS", default=None,
@@ -159,6 +164,7 @@ class Agent:
         self.ctx = None
         self.running: dict[int, object] = {}     # local rank -> Popen
         self.restarts = 0
+        self.due: dict[int, float] = {}           # local rank -> monotonic time of its restart
         self.contexts: list = []                  # of the workers restarted
         self.pids: dict[int, int] = {}
         self.outcome: dict[int, int] = {}         # local rank -> return code
@@ -632,10 +638,18 @@ class Agent:
                 return self._interrupted()
             for lr, rc in self._reap():
                 self._handle_exit(lr, rc)
-                if rc != 0 and self.aborted is None and self.restarts < a.max_restarts:
+                if rc != 0 and self.aborted is None and \
+                        self.restarts + len(self.due) < a.max_restarts:
+                    self.due[lr] = time.monotonic() + a.restart_delay
+            for lr in [lr for lr, at in self.due.items() if at <= time.monotonic()]:
+                del self.due[lr]
+                if self.running and self.aborted is None:
                     self._restart(lr)
             self._last_loop = time.time()
             if not self.running:
+                if self.due:
+                    log(f"{len(self.due)} restart(s) still due when the node's last worker "
+                        "ended: dropped")
                 break
             mono = time.monotonic()
             if mono - last_hb >= hb_interval:
@@ -739,9 +753,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: --node-rank {args.node_rank} is not in 0..{args.nnodes - 1}",
               file=sys.stderr)
         return 2
-    if args.max_failures < 0 or args.max_restarts < 0 or args.heartbeat_timeout <= 0:
-        print(f"{PROG}: error: --max-failures and --max-restarts must be >= 0 and "
-              "--heartbeat-timeout > 0", file=sys.stderr)
+    if args.max_failures < 0 or args.max_restarts < 0 or args.restart_delay < 0 or \
+            args.heartbeat_timeout <= 0:
+        print(f"{PROG}: error: --max-failures, --max-restarts and --restart-delay must be >= 0 "
+              "and --heartbeat-timeout > 0", file=sys.stderr)
         return 2
     if args.store:
         try:

@@ -49,6 +49,8 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
                                        admission, at the end of that iteration (its leader)
     chameleon/admit/{rank}             JSON {"generation", "candidates", "admission"}: where a
                                        joiner meets the others
+    chameleon/trained                  the last iteration, once the job trained it (its lead): no
+                                       boundary is left to admit a joiner at
 
 Process groups of generation g rendezvous on ``PrefixStore(f"gen{g}", store)`` (see
 ``generation_store`` and ``rebuild_world``); the first world is generation 0 (pretrain_gpt.py
@@ -141,6 +143,7 @@ KEY_GENERATION = f"{ROOT}/generation"
 
 KEY_NEXT_MEMBER = f"{ROOT}/next_member"
 KEY_JOINS = f"{ROOT}/joins"
+KEY_TRAINED = f"{ROOT}/trained"
 
 
 def key_admission(n: int) -> str:
@@ -718,14 +721,21 @@ class Membership:
 
     def admitted_to(self, timeout_s: float, poll_s: float = 0.05) -> dict | None:
         """A joiner: where it meets the others (admit's record), once it is admitted; None
-        after `timeout_s`."""
+        after `timeout_s`, or once the job has trained its last iteration (`trained`)."""
         key = key_admit(self._require_rank("join"))
         deadline = time.monotonic() + timeout_s
         while not self.store.check([key]):
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or self.trained():
                 return None
             time.sleep(poll_s)
         return json.loads(self.store.get(key))
+
+    def mark_trained(self, iteration: int) -> None:
+        """The job has trained its last iteration: a joiner has nothing left to join."""
+        self.store.set(KEY_TRAINED, str(iteration))
+
+    def trained(self) -> bool:
+        return self.store.check([KEY_TRAINED])
 
     def announce_death(self) -> None:
         """An injected fault is about to stop this rank: its exact time, to measure detection."""

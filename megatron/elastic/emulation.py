@@ -10,7 +10,8 @@ model, and then waits (sleeps) until the profile's device would have finished:
   layer of the profile's model shape costs), times the dilation;
 - a received message, a gradient all-reduce and a state transfer take, after their real
   transfer, the profile's link time for the bytes of the profile's model shape;
-- a checkpoint save or load takes the emulated checkpoint's bytes over STORAGE_MIB_PER_S.
+- a checkpoint save or load takes the emulated checkpoint's bytes over the storage's
+  bandwidth (STORAGE_MIB_PER_S unless --chameleon-emulate-storage says otherwise).
 
 The waits are sleeps, never spins: while one rank sleeps the others compute on the cores it
 left. With a dilation large enough that every op's real time fits in its emulated time, each
@@ -43,15 +44,16 @@ _MS_FIELDS = ("layer_fwd_ms", "layer_bwd_input_ms", "layer_bwd_weight_ms", "embe
               "tp_alpha_ms", "tp_ms_per_mib")
 
 
-def emulated_profile(profile: Profile, dilation: float) -> Profile:
+def emulated_profile(profile: Profile, dilation: float,
+                     storage_mib_per_s: float = STORAGE_MIB_PER_S) -> Profile:
     """The device a rank emulates, as the planner should see it: every compute and link cost
-    times `dilation`, checkpoint reads at STORAGE_MIB_PER_S (dilated), one dedicated device per
+    times `dilation`, checkpoint reads at `storage_mib_per_s` (dilated), one dedicated device per
     rank (no shared cores). Detection and rebuild stay the profile's: they are real here, and
     the live calibration measures them."""
     scaled = {name: getattr(profile, name) * dilation for name in _MS_FIELDS}
     tp_allreduce = profile.tp_allreduce_ms * dilation if profile.tp_allreduce_ms >= 0 else -1.0
     return replace(profile, **scaled, tp_allreduce_ms=tp_allreduce, cores=0.0,
-                   ranks_per_host=0, load_ms_per_mib=1e3 / STORAGE_MIB_PER_S * dilation,
+                   ranks_per_host=0, load_ms_per_mib=1e3 / storage_mib_per_s * dilation,
                    iteration_overhead_ms=0.0,
                    notes=[*profile.notes, f"emulated, dilation {dilation:g}"])
 
@@ -91,13 +93,15 @@ class Emulation:
     profile: Profile          # as given (undilated)
     dilation: float
     job_shape: ModelShape
+    storage_mib_per_s: float = STORAGE_MIB_PER_S
     count: OverrunCount = field(default_factory=OverrunCount)
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.perf_counter
     device_profile: Profile = field(init=False)   # what the planner plans with
 
     def __post_init__(self) -> None:
-        self.device_profile = emulated_profile(self.profile, self.dilation)
+        self.device_profile = emulated_profile(self.profile, self.dilation,
+                                               self.storage_mib_per_s)
 
     def device(self, plan: ExecutionPlan, rank: int) -> EmulatedDevice:
         return EmulatedDevice(self, ProfileCosts(plan, self.device_profile), plan, rank)

@@ -292,6 +292,8 @@ class ElasticManager:
         """A restarted or new rank: ask to join, wait for the admission, enter the world."""
         self.members.request_join()
         admit = self.members.admitted_to(timeout_s)
+        if admit is None and self.members.trained():
+            raise NotNeeded("the job trained its last iteration before this rank was admitted")
         if admit is None:
             raise Unrecoverable(f"launch rank {self.launch_rank} asked to join and was not "
                                 f"admitted within {timeout_s:g} s")

@@ -442,6 +442,8 @@ class Executor:
     def _apply_step(self, grad_norm: float) -> tuple:
         began = time.perf_counter()
         ok = optimizer_step.apply(self.rt.optimizer, grad_norm, self.rt.clip_grad)
+        if self.rt.shadows is not None:
+            self.rt.shadows.stepped()
         if ok:
             self.rt.scheduler.step(increment=self.rt.plan.global_batch_size)
         if self.rt.emulation:

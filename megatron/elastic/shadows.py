@@ -2,8 +2,11 @@
 
 Each iteration starts with a refresh: an owner sends its parameters and optimizer state (one
 packed buffer per holder and dtype) to the rank that holds its shadow, which receives them into
-buffers it keeps. A refresh that a failure interrupts leaves the copies stale, and a stale copy
-is never used: the layers then come from a data-parallel replica, as without redundancy.
+buffers it keeps. The copies are current until the iteration's step: a failure inside the
+iteration redoes it from exactly that state. A refresh that a failure interrupts, or a step
+applied since the refresh (a transition at an iteration's boundary: an admission, a switch, a
+failure in a checkpoint save), leaves the copies stale, and a stale copy is never used: the
+layers then come from a data-parallel replica, as without redundancy.
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ class Shadows:
         for h in handles:
             h.wait()
         self.fresh = True
+
+    def stepped(self) -> None:
+        """The owners applied a step: the copies are one step behind until the next refresh."""
+        self.fresh = False
 
     def add_to(self, carried: state_transfer.CarriedState) -> None:
         """Hand the copies to the state carried into the next plan, when they are current."""

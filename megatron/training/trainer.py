@@ -38,7 +38,7 @@ from chameleon_ext.strategies import redundancy
 from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
 from megatron.elastic.calibration import LiveCalibration
 from megatron.elastic.deciding import Decider, Planning
-from megatron.elastic.emulation import Emulation
+from megatron.elastic.emulation import STORAGE_MIB_PER_S, Emulation
 from megatron.elastic.manager import (PHASE_OF, Admission, ElasticConfig, ElasticManager,
                                       Entered, Failure, NotNeeded, PlannedSwitch, Unrecoverable)
 from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock
@@ -101,7 +101,8 @@ class Trainer:
         compute_clock = ComputeClock()
         self.calibration = self.clock = None
         self.emulation = Emulation(Profile.load(args.chameleon_emulate),
-                                   args.chameleon_emulate_dilation, planning.model_shape(args)) \
+                                   args.chameleon_emulate_dilation, planning.model_shape(args),
+                                   args.chameleon_emulate_storage or STORAGE_MIB_PER_S) \
             if args.chameleon_emulate else None
         if self.elastic is not None:
             try:
@@ -223,6 +224,8 @@ class Trainer:
                 if self.finishing:
                     return
                 self.finishing = True
+                if self.elastic is not None and self.reporter.lead:
+                    self.elastic.members.mark_trained(self.iteration)
                 self.pending = self._final_actions()
                 continue
             self.train_step(self.iteration + 1)

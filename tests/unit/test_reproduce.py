@@ -1,6 +1,7 @@
-"""`python -m tools.reproduce`: the analytical tables (1, 2, 4) in their --quick form, the trace
-simulation's accounting, and one-line errors for bad input. The tables that launch CPU runs
-are in tests/e2e/test_reproduce_runs.py."""
+"""`python -m tools.reproduce`: the analytical tables (1, 2 without its executed traces, 4) in
+their --quick form, the trace simulation's accounting, and one-line errors for bad input. The
+tables that launch CPU runs are in tests/e2e/test_reproduce_runs.py and
+tests/e2e/test_executed_traces.py."""
 
 import math
 import re
@@ -19,7 +20,8 @@ from tools.reproduce.tables import AUTO_TOLERANCE, PAPER_RATIOS, TRACE_MODEL
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("results")
-    assert main(["table1", "table2", "table4", "--quick", "--out", str(out)]) == 0
+    assert main(["table1", "table2", "table4", "--quick", "--executed-ranks", "0", "--out",
+                 str(out)]) == 0
     return out
 
 
@@ -40,7 +42,7 @@ def test_each_section_starts_with_its_command_and_profile(results):
     for s in sections:
         lines = s.splitlines()
         assert lines[2].startswith("Command: `") and "-m tools.reproduce table1 table2 " \
-            "table4 --quick --out" in lines[2]
+            "table4 --quick --executed-ranks 0 --out" in lines[2]
         assert lines[3].startswith("Profile: `analytical`")
 
 
@@ -126,6 +128,7 @@ def test_a_bad_table_name_is_one_line_and_exit_2():
     (["table1", "--span-h", "-1"], "must be above 0"),
     (["table2", "--repair-h", "soon"], "is not a number"),
     (["all", "--seed", "x"], "invalid int value"),
+    (["table2", "--executed-ranks", "3"], "--executed-ranks 3: 0, or an even number"),
     ([], "the following arguments are required"),
 ])
 def test_bad_flag_values_are_one_line_and_exit_2(capsys, argv, says):

@@ -1,6 +1,7 @@
 """python -m tools.reproduce TABLE... [--out DIR] [--quick] [trace options]
 
-TABLE: table1 (post-recovery throughput), table2 (failure traces), table3 (convergence),
+TABLE: table1 (post-recovery throughput), table2 (failure traces: simulated, and executed by
+real jobs on emulated devices), table3 (convergence),
 table4 (memory), table5 (model accuracy, search time), table6 (fused communication), or all.
 Each writes its section, CSVs and plots to DIR (default results/), and DIR/REPORT.md gathers
 every section there. --quick: the small version (fewer models, failures and traces, shorter
@@ -15,6 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from tools.reproduce import executed
 from tools.reproduce.report import write_report
 from tools.reproduce.runs import RunError
 from tools.reproduce.tables import TABLES, Context, Options
@@ -62,6 +64,9 @@ def parser() -> _Parser:
     g.add_argument("--restart-min", type=_number(0, False), default=5.0,
                    help="minutes a relaunch of the job takes, Megatron's restart (default 5)")
     g.add_argument("--seed", type=int, default=0, help="of the traces' failed GPUs")
+    g.add_argument("--executed-ranks", type=int, default=8, metavar="N",
+                   help="ranks of the traces executed by real jobs on emulated devices "
+                        "(4 to 32, even; default 8; 0: the simulated traces only)")
     return p
 
 
@@ -85,16 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown table {unknown[0]!r} (choose from {', '.join(TABLES)}, all)")
     if args.out.exists() and not args.out.is_dir():
         p.error(f"--out {args.out} exists and is not a folder")
+    if args.executed_ranks and not (4 <= args.executed_ranks <= 32
+                                    and args.executed_ranks % 2 == 0):
+        p.error(f"--executed-ranks {args.executed_ranks}: 0, or an even number from 4 to 32")
     args.out.mkdir(parents=True, exist_ok=True)
     options = Options(args.out, args.quick, _command(argv),
                       args.span_h or (3.0 if args.quick else 24.0), args.mtbf_h, args.repair_h,
-                      args.checkpoint_min, args.restart_min, args.seed)
+                      args.checkpoint_min, args.restart_min, args.seed,
+                      args.executed_ranks)
     ctx = Context(options)
     try:
         for name in dict.fromkeys(names):
             TABLES[name](ctx).write(args.out)
             report = write_report(args.out)  # after each table: a later failure keeps it
-    except RunError as e:
+    except (RunError, executed.TraceError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {report}")

@@ -1,0 +1,118 @@
+"""Failure traces executed by real jobs on emulated devices, every policy side by side.
+
+One failure-free run and one job per policy and trace (tools/reproduce/executed.py: kills at
+set iterations, each killed slot started again `--repair` iterations later; the trace's
+interval between failures stands for an hour, and a checkpoint every 30 minutes, a 5-minute
+relaunch and the checkpoint storage are compressed with it). Prints each run's measured
+average throughput (samples per second of wall time, transitions included) beside the
+simulator's prediction for the same trace, and auto / each policy, measured and predicted,
+beside the paper's 1.229 (Oobleck) and 1.355 (ReCycle).
+
+    python tools/bench/traces.py [--ranks 8] [--iters 48] [--every 12] [--poisson 12]
+        [--repair 12] [--dilation 50] [--profile PROFILE.json] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron.training.builtin_data import ensure_builtin_dataset  # noqa: E402
+from tools.reproduce import executed, simulate  # noqa: E402
+from tools.reproduce.tables import PAPER_RATIOS  # noqa: E402
+
+PROG = "traces.py"
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=8, help="emulated devices (8 to 32, even)")
+    p.add_argument("--pipeline", type=int, default=2, help="pipeline depth (default 2)")
+    p.add_argument("--iters", type=int, default=48, help="iterations each job trains")
+    p.add_argument("--every", type=int, default=12,
+                   help="the fixed-interval trace: a kill every this many iterations")
+    p.add_argument("--poisson", type=float, default=None, metavar="MEAN",
+                   help="also a Poisson trace of this mean interval, in iterations")
+    p.add_argument("--repair", type=int, default=None,
+                   help="iterations until a killed slot starts again (default: --every); "
+                        "0: never")
+    p.add_argument("--dilation", type=float, default=50.0,
+                   help="--chameleon-emulate-dilation (default 50: valid at 8 ranks here)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="the emulated device (default: the analytical H200 of a 1.3B GPT)")
+    p.add_argument("--policies", nargs="+", default=[q.name for q in simulate.POLICIES],
+                   choices=[q.name for q in simulate.POLICIES])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="of the traces' victims and gaps")
+    a = p.parse_args(argv)
+    if not 4 <= a.ranks <= 32 or a.ranks % a.pipeline:
+        return _fail(f"--ranks {a.ranks}: 4 to 32, a multiple of --pipeline {a.pipeline}")
+    if a.every < 2 or a.iters < executed.FIRST_KILL + executed.LAST_MARGIN or a.repeats < 1:
+        return _fail("--every must be at least 2, --iters at least "
+                     f"{executed.FIRST_KILL + executed.LAST_MARGIN}, --repeats at least 1")
+    if a.dilation <= 0 or (a.poisson is not None and a.poisson <= 0):
+        return _fail("--dilation and --poisson must be positive")
+    if a.profile is not None and not a.profile.is_file():
+        return _fail(f"--profile {a.profile}: no such file")
+    repair = a.every if a.repair is None else (a.repair or None)
+    data = ensure_builtin_dataset(quiet=True, progress=False)
+    with tempfile.TemporaryDirectory(prefix="traces-") as tmp:
+        work = Path(tmp)
+        profile = a.profile or executed.default_profile(work / "device.json")
+        c = executed.Config(a.ranks, a.pipeline, a.dilation, profile, data, a.every)
+        trs = [executed.fixed_interval(a.iters, a.every, c.plan, repair, a.seed)]
+        if a.poisson is not None:
+            trs.append(executed.poisson(a.iters, a.poisson, c.plan, repair, a.seed))
+        policies = [q for q in simulate.POLICIES if q.name in a.policies]
+        if "auto" not in a.policies:
+            return _fail("--policies must include auto (the ratios are auto over each)")
+        print(f"{a.ranks} emulated ranks, pipeline {a.pipeline}, dilation {a.dilation:g}; "
+              f"one trace hour = {a.every} iterations (compression {c.compression:.0f}x): "
+              f"checkpoint every {c.save_interval} iterations, relaunch "
+              f"{c.relaunch_wall_s:.1f} s of wall time")
+        for t in trs:
+            print(f"  {t.name}: " + ", ".join(f"rank {k.rank} at iteration {k.iteration}"
+                                              for k in t.kills)
+                  + (f"; each back after {t.repair} iterations" if t.repair else "; no rejoin"),
+                  flush=True)
+        cmp = executed.compare(c, trs, policies, a.repeats, work,
+                               on_run=lambda label: print(f"  ran {label}", flush=True))
+    ff = cmp.failure_free_samples_per_s
+    print(f"\nfailure-free: {ff:.2f} samples/s (iteration {cmp.failure_free[0].median_iteration_ms:.0f} ms)")
+    print(f"{'trace':>30} | {'policy':>9} | {'samples/s':>9} | {'/ ff':>5} | {'predicted':>9} | "
+          f"{'recoveries':>22} | rejoins | loss diff | overruns")
+    for t in trs:
+        for q in policies:
+            ms = cmp.runs[t.name, q.name]
+            diff = max(executed.max_relative_difference(m.losses, cmp.failure_free[0].losses)
+                       for m in ms)
+            rec = ", ".join(f"{k} {v}" for k, v in ms[-1].recoveries.most_common())
+            share = max(m.overrun_share for m in ms)
+            valid = "" if all(m.valid for m in ms) else " INVALID"
+            tput = cmp.samples_per_s(t.name, q.name)
+            print(f"{t.name:>30} | {q.name:>9} | {tput:9.2f} | {tput / ff:5.2f} | "
+                  f"{cmp.predicted[t.name, q.name]:9.2f} | {rec:>22} | "
+                  f"{sum(m.rejoins for m in ms):7d} | {diff:9.1e} | {100 * share:.2f}%{valid}")
+    print(f"\n{'trace':>30} | {'auto / policy':>13} | {'measured':>8} | {'predicted':>9} | paper")
+    paper = {"oobleck": PAPER_RATIOS["oobleck"], "recycle": PAPER_RATIOS["recycle"]}
+    for t in trs:
+        for q in policies:
+            if q.name == "auto":
+                continue
+            print(f"{t.name:>30} | {q.name:>13} | {cmp.ratio(t.name, q.name):8.3f} | "
+                  f"{cmp.predicted_ratio(t.name, q.name):9.3f} | "
+                  + (f"{paper[q.name]:.3f}" if q.name in paper else "-"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

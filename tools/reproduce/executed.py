@@ -1,0 +1,432 @@
+"""Failure traces executed by real jobs on emulated devices: every policy meets the same kills
+and rejoins, and its average throughput is measured in samples per second of wall time.
+
+Each rank emulates a dedicated device of a profile (--chameleon-emulate, `dilation` times
+slower), so losing a rank costs what it would on the profile's devices, not less. A trace
+names, by iteration, which launch rank is killed (in the backward) and how many iterations of
+failure-free time later its slot is started again (chameleon-launch --max-restarts with
+--restart-delay; the new worker joins at an iteration boundary). A rank is killed at most
+once: its replacement has a new rank. No stage loses all its replicas at once.
+
+A trace compresses time: its interval between failures stands for an hour of training. The
+same compression applies to the costs a real job has in minutes: a checkpoint every 30 minutes
+(save_interval), a relaunch of 5 minutes (RELAUNCH_S) and the storage a checkpoint is written
+to (--chameleon-emulate-storage). What cannot be compressed is real here: process start-up,
+detection and rebuilds on these cores.
+
+Policies (tools/reproduce/simulate.POLICIES): auto, reparallelize only (Oobleck-like), reroute
+only (ReCycle-like), takeover with eager state replication (Bamboo-like), each one job under
+chameleon-launch; and Megatron checkpoint-restart: the job (--chameleon for the emulation, no
+in-process recovery: chameleon-launch --max-failures 0 stops it at the first failure) is
+relaunched with --load, after the relaunch time less what the relaunch here already took,
+over the GPUs up at that moment (the restart re-plan over them, --chameleon-plan); a rejoin
+waits for the next relaunch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chameleon_ext.perf_model import ModelShape, Profile, analytical_profile, predict_plan
+from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.planner import replan
+from megatron.elastic.emulation import STORAGE_MIB_PER_S, emulated_profile
+from tests.launch import SMALL_MODEL, last_losses, run_chameleon
+from tools.reproduce import simulate, traces
+from tools.reproduce.cluster import Setup
+
+# A real job's costs in seconds that a trace compresses with its time (see the docstring):
+# an hour between failures, a checkpoint every 30 minutes, a relaunch of 5 minutes (the
+# simulated table's defaults).
+HOUR_S, CHECKPOINT_S, RELAUNCH_S = 3600.0, 1800.0, 300.0
+# The default emulated device: an H200 running a GPT of 1.3B parameters' shape (the issue's
+# measured post-recovery figure used it); the job's 4 layers each cost one of its layers.
+DEFAULT_SHAPE = ModelShape(24, 2048, 16, 2048, 1, 50304)
+# The first kill leaves the calibration its warm-up (3 iterations) and one measured iteration;
+# the last leaves the job two iterations to recover in.
+FIRST_KILL, LAST_MARGIN = 5, 3
+# 8 to 32 processes starting on a few shared cores hold the agent's store back for seconds;
+# a lost worker is seen at once by its exit, so a long heartbeat costs nothing here.
+LAUNCHER = ["--heartbeat-timeout", "30"]
+MICRO_BATCHES = 4                      # per pipeline and iteration, of SMALL_MODEL's 2 samples
+CHAMELEON_FLAGS = {
+    "auto": ["--chameleon-strategy", "auto"],
+    "oobleck": ["--chameleon-strategy", "reparallelize"],
+    "recycle": ["--chameleon-strategy", "reroute"],
+    "bamboo": ["--chameleon-strategy", "takeover", "--chameleon-redundancy", "eager"],
+}
+MEGATRON = "megatron"
+
+
+class TraceError(RuntimeError):
+    """A run of an executed trace that did not end as it should; the message says which."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    iteration: int                     # killed in the backward of this iteration
+    rank: int                          # a launch rank of the failure-free job
+
+
+@dataclass(frozen=True)
+class ExecutedTrace:
+    name: str
+    iterations: int
+    interval: float                    # iterations between failures (the mean, Poisson)
+    repair: int | None                 # iterations until a killed slot starts again; None: never
+    kills: tuple[Kill, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The job every policy runs, and how a trace's time is compressed."""
+
+    ranks: int
+    pipeline: int
+    dilation: float
+    profile: Path                      # the emulated device (undilated)
+    data: str
+    interval: float                    # a trace's iterations between failures: one hour
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        return ExecutionPlan.failure_free(self.ranks, 1, self.pipeline, 4, 2, self.global_batch)
+
+    @property
+    def global_batch(self) -> int:
+        return 2 * MICRO_BATCHES * self.ranks // self.pipeline
+
+    def device(self) -> Profile:
+        """The emulated device as the planner sees it (dilated, compressed storage)."""
+        return emulated_profile(Profile.load(self.profile), self.dilation, self.storage_mib_per_s)
+
+    @property
+    def device_iteration_ms(self) -> float:
+        """The failure-free iteration on the profile's own device (undilated)."""
+        return predict_plan(self.plan, Profile.load(self.profile)).iteration_ms
+
+    @property
+    def compression(self) -> float:
+        """Real seconds per second of the emulated device's time in a trace."""
+        return HOUR_S / (self.interval * self.device_iteration_ms / 1e3)
+
+    @property
+    def storage_mib_per_s(self) -> float:
+        return STORAGE_MIB_PER_S * self.compression
+
+    @property
+    def save_interval(self) -> int:
+        return max(1, round(self.interval * CHECKPOINT_S / HOUR_S))
+
+    @property
+    def relaunch_wall_s(self) -> float:
+        """The compressed relaunch, in wall seconds of this machine (dilated)."""
+        return RELAUNCH_S / self.compression * self.dilation
+
+
+def default_profile(path: Path) -> Path:
+    """The analytical H200 profile of DEFAULT_SHAPE, written to `path`."""
+    analytical_profile(DEFAULT_SHAPE, "H200").save(path)
+    return path
+
+
+# ---- traces -------------------------------------------------------------------------------------
+def _victims(at: list[int], plan: ExecutionPlan, rng: random.Random) -> tuple[Kill, ...]:
+    """A rank for each kill, never one killed before, never a stage's last replica."""
+    left: dict[int, list[int]] = {}
+    for r in plan.ranks:
+        left.setdefault(plan.position(r).stage, []).append(r)
+    kills = []
+    for it in at:
+        stages = [s for s, ranks in left.items() if len(ranks) > 1]
+        if not stages:
+            break
+        ranks = left[rng.choice(stages)]
+        kills.append(Kill(it, ranks.pop(rng.randrange(len(ranks)))))
+    return tuple(kills)
+
+
+def fixed_interval(iterations: int, every: int, plan: ExecutionPlan, repair: int | None,
+                   seed: int = 0) -> ExecutedTrace:
+    """A kill every `every` iterations (Oobleck's fixed-interval traces, compressed)."""
+    at = list(range(max(every, FIRST_KILL), iterations - LAST_MARGIN + 1, every))
+    return ExecutedTrace(f"every {every} iterations", iterations, every, repair,
+                         _victims(at, plan, random.Random(f"fixed-{every}-{seed}")))
+
+
+def poisson(iterations: int, mean: float, plan: ExecutionPlan, repair: int | None,
+            seed: int = 0) -> ExecutedTrace:
+    """Gaps between kills drawn from an exponential law of mean `mean` iterations."""
+    rng = random.Random(f"poisson-{mean}-{seed}")
+    at, t = [], FIRST_KILL - 1 + rng.expovariate(1 / mean)
+    while t <= iterations - LAST_MARGIN:
+        if not at or math.ceil(t) > at[-1]:
+            at.append(math.ceil(t))
+        t += rng.expovariate(1 / mean)
+    return ExecutedTrace(f"Poisson, mean {mean:g} iterations", iterations, mean, repair,
+                         _victims(at, plan, rng))
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+@dataclass
+class Measured:
+    policy: str
+    trace: str
+    iterations: int
+    wall_s: float                      # start of iteration 1 to the end of the last one
+    samples_per_s: float
+    losses: list[float]
+    recoveries: Counter = field(default_factory=Counter)  # strategy taken at each failure
+    rejoins: int = 0
+    relaunches: int = 0
+    relaunch_s: list[float] = field(default_factory=list)  # kill to the next first iteration
+    overrun_share: float = 0.0
+    valid: bool = True
+    startup_s: float = 0.0             # launch to the start of iteration 1
+    median_iteration_ms: float = 0.0
+
+
+def _args(c: Config, iterations: int, checkpoints: Path) -> list[str]:
+    return SMALL_MODEL + [
+        "--pipeline-model-parallel-size", str(c.pipeline),
+        "--global-batch-size", str(c.global_batch), "--train-iters", str(iterations),
+        "--lr-decay-iters", str(iterations), "--lr", "3e-3", "--data-path", c.data,
+        "--split", "100,0,0", "--log-interval", str(iterations), "--chameleon",
+        "--chameleon-emulate", str(c.profile), "--chameleon-emulate-dilation", str(c.dilation),
+        "--chameleon-emulate-storage", f"{c.storage_mib_per_s:.1f}",
+        "--save", str(checkpoints), "--save-interval", str(c.save_interval)]
+
+
+def _inject(kill: Kill, rank: int | None = None) -> list[str]:
+    return ["--chameleon-inject",
+            f"kill:rank={kill.rank if rank is None else rank},iter={kill.iteration},"
+            "phase=backward"]
+
+
+def _measure(policy: str, trace: str, events: list[dict], iterations: int, c: Config,
+             launched: float) -> Measured:
+    its = [e for e in events if e["event"] == "iteration"]
+    if not its or max(e["iteration"] for e in its) != iterations:
+        raise TraceError(f"{policy} on {trace}: the job did not reach iteration {iterations}")
+    start = its[0]["time"] - its[0]["elapsed_ms"] / 1e3
+    wall = its[-1]["time"] - start
+    emu = [e for e in events if e["event"] == "emulation"]
+    ops = sum(e["ops"] for e in emu)
+    share = sum(e["overruns"] for e in emu) / ops if ops else 0.0
+    m = Measured(policy, trace, iterations, wall, iterations * c.global_batch / wall,
+                 last_losses(events), overrun_share=share,
+                 valid=bool(emu) and all(e["valid"] for e in emu), startup_s=start - launched)
+    m.recoveries = Counter(e["strategy"] for e in events if e["event"] == "recovery")
+    m.rejoins = sum(e["event"] == "rejoin" for e in events)
+    m.median_iteration_ms = statistics.median(e["elapsed_ms"] for e in its)
+    return m
+
+
+def failure_free(c: Config, iterations: int, workdir: Path) -> Measured:
+    """The job without failures: the throughput every policy is set against, its losses and
+    iteration time (a repair's length in wall seconds)."""
+    launched = time.time()
+    with tempfile.TemporaryDirectory(prefix="traces-ckpt-") as ckpt:
+        run = run_chameleon(c.ranks, _args(c, iterations, Path(ckpt)), workdir,
+                            name="failure-free", timeout=_timeout(c, iterations),
+                            launcher_args=LAUNCHER)
+    if run.returncode != 0:
+        raise TraceError(f"the failure-free run exited with {run.returncode}: "
+                         f"{_last_line(run.stderr)}")
+    return _measure("failure-free", "none", run.metrics, iterations, c, launched)
+
+
+def run_policy(policy: str, trace: ExecutedTrace, c: Config, ff: Measured,
+               workdir: Path) -> Measured:
+    name = f"{policy}-{trace.name.replace(' ', '-').replace(',', '')}"
+    if policy == MEGATRON:
+        return _megatron(trace, c, ff, workdir, name)
+    repair = [] if trace.repair is None else [
+        "--max-restarts", str(len(trace.kills)),
+        "--restart-delay", f"{trace.repair * ff.median_iteration_ms / 1e3:.3f}"]
+    launched = time.time()
+    with tempfile.TemporaryDirectory(prefix="traces-ckpt-") as ckpt:
+        run = run_chameleon(
+            c.ranks, _args(c, trace.iterations, Path(ckpt)) + CHAMELEON_FLAGS[policy]
+            + [a for k in trace.kills for a in _inject(k)]
+            # the planner's horizon: the trace's interval, in this machine's (dilated) hours
+            + ["--chameleon-mtbf", f"{trace.interval * ff.median_iteration_ms / 3.6e6:.6g}"],
+            workdir, name=name,
+            timeout=_timeout(c, trace.iterations, len(trace.kills)),
+            launcher_args=LAUNCHER + ["--max-failures", str(len(trace.kills))] + repair)
+    if run.returncode != 0:
+        raise TraceError(f"{policy} on {trace.name} exited with {run.returncode}: "
+                         f"{_last_line(run.stderr)}")
+    return _measure(policy, trace.name, run.metrics, trace.iterations, c, launched)
+
+
+def _megatron(trace: ExecutedTrace, c: Config, ff: Measured, workdir: Path,
+              name: str) -> Measured:
+    """Checkpoint-restart: one job per stretch between failures, each relaunched over the GPUs
+    up (a GPU is a launch rank of the failure-free job)."""
+    with tempfile.TemporaryDirectory(prefix="traces-ckpt-") as ckpt:
+        return _relaunched(trace, c, ff, workdir, name, Path(ckpt))
+
+
+def _relaunched(trace: ExecutedTrace, c: Config, ff: Measured, workdir: Path, name: str,
+                ckpt: Path) -> Measured:
+    metrics: list[dict] = []
+    back_at: dict[int, float] = {}     # a killed GPU -> wall time it is up again
+    repair_s = math.inf if trace.repair is None else trace.repair * ff.median_iteration_ms / 1e3
+    pending = list(trace.kills)
+    relaunch_s, launched, killed_at = [], time.time(), None
+    first = True
+    while True:
+        now = time.time()
+        down = {g for g, t in back_at.items() if t > now}
+        plan, gpus = c.plan, list(range(c.ranks))
+        if down:
+            plan = replan(c.plan, down, c.device())
+            if plan is None:
+                raise TraceError(f"{name}: no plan over the GPUs up")
+            gpus = c.plan.survivors(down, plan.world_size)
+        # kills of GPUs this plan leaves idle change nothing but their availability
+        while pending and pending[0].rank not in gpus:
+            back_at[pending.pop(0).rank] = now + repair_s
+        args = _args(c, trace.iterations, ckpt) + (["--load", str(ckpt)] if not first else [])
+        if plan is not c.plan:
+            plan_file = workdir / f"{name}-plan-{len(relaunch_s)}.json"
+            plan.save(plan_file)
+            args += ["--chameleon-plan", str(plan_file)]
+        if pending:
+            args += _inject(pending[0], gpus.index(pending[0].rank))
+        seg = f"{name}-{len(relaunch_s)}"
+        run = run_chameleon(plan.world_size, args, workdir, name=seg,
+                            timeout=_timeout(c, trace.iterations),
+                            launcher_args=LAUNCHER + ["--max-failures", "0"])
+        events = run.metrics
+        if killed_at is not None:
+            its = [e for e in events if e["event"] == "iteration"]
+            if its:
+                relaunch_s.append(its[0]["time"] - its[0]["elapsed_ms"] / 1e3 - killed_at)
+        metrics += events
+        first = False
+        if run.returncode == 0 and not pending:
+            break
+        if not pending or run.returncode == 0:
+            raise TraceError(f"{name}: segment {seg} exited with {run.returncode}, "
+                             f"{len(pending)} kill(s) left: {_last_line(run.stderr)}")
+        killed_at = time.time()
+        back_at[pending.pop(0).rank] = killed_at + repair_s
+        # Megatron's relaunch takes RELAUNCH_S (compressed); the next launch's own start-up
+        # here is part of it, so only what the failure-free run's start-up leaves is slept.
+        time.sleep(max(0.0, c.relaunch_wall_s - ff.startup_s))
+    m = _measure(MEGATRON, trace.name, metrics, trace.iterations, c, launched)
+    m.relaunches, m.relaunch_s = len(relaunch_s), relaunch_s
+    m.recoveries = Counter({"relaunch": len(relaunch_s)})
+    return m
+
+
+def _timeout(c: Config, iterations: int, kills: int = 0) -> float:
+    """Bounds one job: its iterations at 4x the emulated time, plus 3 minutes of start-up and
+    2 per recovery on a few shared cores; far beyond that it is stuck."""
+    ms = predict_plan(c.plan, c.device()).iteration_ms
+    return 4 * iterations * ms / 1e3 + 180 + 120 * kills
+
+
+def _last_line(text: str) -> str:
+    return (text.strip().splitlines() or ["(no output)"])[-1]
+
+
+# ---- predictions -------------------------------------------------------------------------------
+def predicted_samples_per_s(trace: ExecutedTrace, c: Config, policy: simulate.Policy,
+                            ff: Measured) -> float:
+    """What tools/reproduce/simulate predicts for the trace with the emulated device: the
+    kills at their iterations' failure-free times, relaunches as long as here."""
+    device = c.device()
+    ms = predict_plan(c.plan, device).iteration_ms
+    hours = ms / 3.6e6
+    events = []
+    for k in trace.kills:
+        events.append(traces.Event((k.iteration - 0.5) * hours, "fail", k.rank))
+        if trace.repair is not None:
+            events.append(traces.Event((k.iteration - 0.5 + trace.repair) * hours, "rejoin",
+                                       k.rank))
+    span = trace.iterations * hours
+    t = traces.Trace(trace.name, span, trace.interval * hours,
+                     (trace.repair or 0) * hours,
+                     tuple(sorted((e for e in events if e.hour < span), key=lambda e: e.hour)))
+    setup = Setup("executed", 1, device, c.plan, c.plan, ms)
+    relaunch_s = max(c.relaunch_wall_s, ff.startup_s)
+    costs = simulate.Costs(c.save_interval * ms / 6e4, relaunch_s / 60)
+    return simulate.simulate(setup, policy, t, costs).samples_per_s(c.global_batch)
+
+
+def max_relative_difference(losses: list[float], reference: list[float]) -> float:
+    if len(losses) != len(reference):
+        return math.inf
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+# ---- a comparison -------------------------------------------------------------------------------
+@dataclass
+class Comparison:
+    """Every policy on every trace, `repeats` times, the policies' order rotated each repeat
+    (a slow spell of the machine then falls on different policies); a failure-free run opens
+    each repeat."""
+
+    config: Config
+    traces: list[ExecutedTrace]
+    policies: list[simulate.Policy]
+    failure_free: list[Measured] = field(default_factory=list)
+    runs: dict[tuple[str, str], list[Measured]] = field(default_factory=dict)
+    predicted: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def samples_per_s(self, trace: str, policy: str) -> float:
+        return statistics.fmean(m.samples_per_s for m in self.runs[trace, policy])
+
+    @property
+    def failure_free_samples_per_s(self) -> float:
+        return statistics.fmean(m.samples_per_s for m in self.failure_free)
+
+    def ratio(self, trace: str, policy: str) -> float:
+        """auto over `policy`, measured."""
+        return self.samples_per_s(trace, "auto") / self.samples_per_s(trace, policy)
+
+    @property
+    def predicted_failure_free(self) -> float:
+        """The simulator's failure-free throughput of the emulated job, samples/s."""
+        device = self.config.device()
+        return self.config.global_batch / predict_plan(self.config.plan, device).iteration_ms * 1e3
+
+    def predicted_ratio(self, trace: str, policy: str) -> float:
+        return self.predicted[trace, "auto"] / self.predicted[trace, policy]
+
+
+def compare(c: Config, trs: list[ExecutedTrace], policies: list[simulate.Policy],
+            repeats: int, workdir: Path, on_run=None) -> Comparison:
+    """`on_run(label)` after each run (a progress bar)."""
+    out = Comparison(c, trs, policies)
+    iterations = trs[0].iterations
+    if any(t.iterations != iterations for t in trs):
+        raise ValueError("the traces of one comparison train the same iterations (the "
+                         "failure-free run is their common reference)")
+    for r in range(repeats):
+        out.failure_free.append(failure_free(c, iterations, workdir / f"repeat{r}"))
+        ff = out.failure_free[-1]
+        if on_run:
+            on_run("failure-free")
+        order = policies[r % len(policies):] + policies[:r % len(policies)]
+        for t in trs:
+            for p in order:
+                m = run_policy(p.name, t, c, ff, workdir / f"repeat{r}")
+                out.runs.setdefault((t.name, p.name), []).append(m)
+                if on_run:
+                    on_run(f"{p.name}, {t.name}")
+    ff = out.failure_free[0]
+    for t in trs:
+        for p in policies:
+            out.predicted[t.name, p.name] = predicted_samples_per_s(t, c, p, ff)
+    return out
