@@ -282,8 +282,7 @@ def _relaunched(trace: ExecutedTrace, c: Config, ff: Measured, workdir: Path, na
     repair_s = math.inf if trace.repair is None else trace.repair * ff.median_iteration_ms / 1e3
     pending = list(trace.kills)
     relaunch_s, launched, killed_at = [], time.time(), None
-    first = True
-    while True:
+    for segment in range(len(trace.kills) + 1):
         now = time.time()
         down = {g for g, t in back_at.items() if t > now}
         plan, gpus = c.plan, list(range(c.ranks))
@@ -295,31 +294,29 @@ def _relaunched(trace: ExecutedTrace, c: Config, ff: Measured, workdir: Path, na
         # kills of GPUs this plan leaves idle change nothing but their availability
         while pending and pending[0].rank not in gpus:
             back_at[pending.pop(0).rank] = now + repair_s
-        args = _args(c, trace.iterations, ckpt) + (["--load", str(ckpt)] if not first else [])
+        args = _args(c, trace.iterations, ckpt) + (["--load", str(ckpt)] if segment else [])
         if plan is not c.plan:
-            plan_file = workdir / f"{name}-plan-{len(relaunch_s)}.json"
+            plan_file = workdir / f"{name}-plan-{segment}.json"
             plan.save(plan_file)
             args += ["--chameleon-plan", str(plan_file)]
         if pending:
             args += _inject(pending[0], gpus.index(pending[0].rank))
-        seg = f"{name}-{len(relaunch_s)}"
+        seg = f"{name}-{segment}"
         run = run_chameleon(plan.world_size, args, workdir, name=seg,
                             timeout=_timeout(c, trace.iterations),
                             launcher_args=LAUNCHER + ["--max-failures", "0"])
-        events = run.metrics
-        if killed_at is not None:
-            its = [e for e in events if e["event"] == "iteration"]
-            if its:
-                relaunch_s.append(its[0]["time"] - its[0]["elapsed_ms"] / 1e3 - killed_at)
-        metrics += events
-        first = False
+        its = [e for e in run.metrics if e["event"] == "iteration"]
+        if killed_at is not None and its:
+            relaunch_s.append(its[0]["time"] - its[0]["elapsed_ms"] / 1e3 - killed_at)
+        metrics += run.metrics
         if run.returncode == 0 and not pending:
             break
         if not pending or run.returncode == 0:
             raise TraceError(f"{name}: segment {seg} exited with {run.returncode}, "
                              f"{len(pending)} kill(s) left: {_last_line(run.stderr)}")
-        killed_at = time.time()
-        back_at[pending.pop(0).rank] = killed_at + repair_s
+        # the kill fell in the iteration after the last one recorded
+        killed_at = its[-1]["time"] if its else time.time()
+        back_at[pending.pop(0).rank] = time.time() + repair_s
         # Megatron's relaunch takes RELAUNCH_S (compressed); the next launch's own start-up
         # here is part of it, so only what the failure-free run's start-up leaves is slept.
         time.sleep(max(0.0, c.relaunch_wall_s - ff.startup_s))
