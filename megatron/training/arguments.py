@@ -14,6 +14,7 @@ from pathlib import Path
 
 from chameleon_ext.faults import FaultSpecError, parse_inject
 from chameleon_ext.perf_model import Profile, ProfileError
+from megatron.elastic.emulation import STORAGE_MIB_PER_S
 
 TOKENIZERS = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -146,10 +147,12 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "layer of the profile's shape) times --chameleon-emulate-dilation; "
                         "messages, gradient all-reduces, state transfers and checkpoints take "
                         "the profile's link and storage times. The planner plans with it")
-    g.add_argument("--chameleon-emulate-storage", type=float, default=None, metavar="MIB_PER_S",
+    g.add_argument("--chameleon-emulate-storage", type=float, default=STORAGE_MIB_PER_S,
+                   metavar="MIB_PER_S",
                    help="bandwidth of the storage an emulated rank saves its checkpoint part to "
-                        "and loads it from, MiB/s (default 2048: a node's share of a parallel "
-                        "file system; a compressed failure trace scales it with its time)")
+                        "and loads it from, MiB/s (default %(default)g: a node's share of a "
+                        "parallel file system; a compressed failure trace scales it with its "
+                        "time)")
     g.add_argument("--chameleon-emulate-dilation", type=float, default=1.0, metavar="X",
                    help="how many times slower than the profile's device the emulated ranks "
                         "run: large enough that every op's real computation fits in its "
@@ -299,8 +302,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 
     need(args.chameleon_emulate_dilation > 0,
          f"--chameleon-emulate-dilation {args.chameleon_emulate_dilation:g} must be positive")
-    need(args.chameleon_emulate_storage is None or args.chameleon_emulate_storage > 0,
-         f"--chameleon-emulate-storage {args.chameleon_emulate_storage} must be positive")
+    need(args.chameleon_emulate_storage > 0,
+         f"--chameleon-emulate-storage {args.chameleon_emulate_storage:g} must be positive")
     if args.chameleon_emulate is not None:
         need(args.chameleon_executor == "ir", "--chameleon-emulate needs --chameleon-executor ir")
         try:

@@ -38,7 +38,7 @@ from chameleon_ext.strategies import redundancy
 from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
 from megatron.elastic.calibration import LiveCalibration
 from megatron.elastic.deciding import Decider, Planning
-from megatron.elastic.emulation import STORAGE_MIB_PER_S, Emulation
+from megatron.elastic.emulation import Emulation
 from megatron.elastic.manager import (PHASE_OF, Admission, ElasticConfig, ElasticManager,
                                       Entered, Failure, NotNeeded, PlannedSwitch, Unrecoverable)
 from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock
@@ -102,7 +102,7 @@ class Trainer:
         self.calibration = self.clock = None
         self.emulation = Emulation(Profile.load(args.chameleon_emulate),
                                    args.chameleon_emulate_dilation, planning.model_shape(args),
-                                   args.chameleon_emulate_storage or STORAGE_MIB_PER_S) \
+                                   args.chameleon_emulate_storage) \
             if args.chameleon_emulate else None
         if self.elastic is not None:
             try:

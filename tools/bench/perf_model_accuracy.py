@@ -75,6 +75,15 @@ EMULATED_CASES = [
 ]
 
 
+def _job_args(case: Case, iters: int, data: str, emulate: list[str]) -> list[str]:
+    return SMALL_MODEL + [
+        "--tensor-model-parallel-size", str(case.tp),
+        "--pipeline-model-parallel-size", str(case.pp), "--global-batch-size",
+        str(8 * case.dp), "--train-iters", str(iters), "--data-path", data, "--split",
+        "100,0,0", "--log-interval", str(iters), "--chameleon", "--chameleon-strategy",
+        case.strategy, *emulate]
+
+
 def one(case: Case, iters: int, data: str, tmp: Path, name: str,
         emulate: list[str]) -> tuple[dict, dict | None]:
     """The run's prediction event, and its emulation event (None when not emulating)."""
@@ -83,14 +92,9 @@ def one(case: Case, iters: int, data: str, tmp: Path, name: str,
         return _node_case(case, kill_at, iters, data, tmp, name, emulate)
     # Bounds one job of up to 16 processes on a few shared cores (start-up alone takes
     # minutes there); a run that long is stuck.
-    run = run_chameleon(case.ranks, SMALL_MODEL + [
-        "--tensor-model-parallel-size", str(case.tp),
-        "--pipeline-model-parallel-size", str(case.pp), "--global-batch-size",
-        str(8 * case.dp), "--train-iters", str(iters), "--data-path", data, "--split",
-        "100,0,0", "--log-interval", str(iters), "--chameleon", "--chameleon-strategy",
-        case.strategy, "--chameleon-inject",
-        f"kill:rank={case.kill},iter={kill_at},phase=backward", *emulate],
-        tmp, name=name, timeout=900, launcher_args=HEARTBEAT if emulate else ())
+    run = run_chameleon(case.ranks, _job_args(case, iters, data, emulate) + [
+        "--chameleon-inject", f"kill:rank={case.kill},iter={kill_at},phase=backward"], tmp,
+        name=name, timeout=900, launcher_args=HEARTBEAT if emulate else ())
     if run.returncode != 0:
         raise SystemExit(f"run {name} failed:\n{run.stderr[-2000:]}")
     pred = next((e for e in run.metrics if e["event"] == "prediction"), None)
@@ -106,11 +110,8 @@ def _node_case(case: Case, kill_at: int, iters: int, data: str, tmp: Path, name:
     heartbeats by the store's clock, so the launcher's 5 s heartbeat timeout holds here."""
     port = free_port()
     kill = LateKill(port, case.kill, kill_at - 1, 100, node=True).start()
-    run = run_nodes(case.nodes, case.ranks // case.nodes, SMALL_MODEL + [
-        "--pipeline-model-parallel-size", str(case.pp), "--global-batch-size",
-        str(8 * case.dp), "--train-iters", str(iters), "--data-path", data, "--split",
-        "100,0,0", "--log-interval", str(iters), "--chameleon", "--chameleon-strategy",
-        case.strategy, *emulate], tmp, name=name, port=port, timeout=900)
+    run = run_nodes(case.nodes, case.ranks // case.nodes, _job_args(case, iters, data, emulate),
+                    tmp, name=name, port=port, timeout=900)
     kill.join()
     if kill.signalled_at is None or any(a.returncode != 0 for i, a in enumerate(run.agents)
                                         if i != case.kill):

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.training.builtin_data import ensure_builtin_dataset  # noqa: E402
-from tools.reproduce import executed, simulate  # noqa: E402
+from tools.reproduce import executed, runs, simulate  # noqa: E402
 from tools.reproduce.tables import PAPER_RATIOS  # noqa: E402
 
 PROG = "traces.py"
@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         profile = a.profile or executed.default_profile(work / "device.json")
         c = executed.Config(a.ranks, a.pipeline, a.dilation, profile, data, a.every)
-        trs = [executed.fixed_interval(a.iters, a.every, c.plan, repair, a.seed)]
-        if a.poisson is not None:
-            trs.append(executed.poisson(a.iters, a.poisson, c.plan, repair, a.seed))
+        trs = executed.trace_set(a.iters, a.every, a.poisson, c.plan, repair, a.seed)
         policies = [q for q in simulate.POLICIES if q.name in a.policies]
         if "auto" not in a.policies:
             return _fail("--policies must include auto (the ratios are auto over each)")
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in trs:
         for q in policies:
             ms = cmp.runs[t.name, q.name]
-            diff = max(executed.max_relative_difference(m.losses, cmp.failure_free[0].losses)
+            diff = max(runs.max_relative_difference(m.losses, cmp.failure_free[0].losses)
                        for m in ms)
             rec = ", ".join(f"{k} {v}" for k, v in ms[-1].recoveries.most_common())
             share = max(m.overrun_share for m in ms)
@@ -103,14 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cmp.predicted[t.name, q.name]:9.2f} | {rec:>22} | "
                   f"{sum(m.rejoins for m in ms):7d} | {diff:9.1e} | {100 * share:.2f}%{valid}")
     print(f"\n{'trace':>30} | {'auto / policy':>13} | {'measured':>8} | {'predicted':>9} | paper")
-    paper = {"oobleck": PAPER_RATIOS["oobleck"], "recycle": PAPER_RATIOS["recycle"]}
     for t in trs:
         for q in policies:
             if q.name == "auto":
                 continue
             print(f"{t.name:>30} | {q.name:>13} | {cmp.ratio(t.name, q.name):8.3f} | "
                   f"{cmp.predicted_ratio(t.name, q.name):9.3f} | "
-                  + (f"{paper[q.name]:.3f}" if q.name in paper else "-"))
+                  + (f"{PAPER_RATIOS[q.name]:.3f}" if q.name in PAPER_RATIOS else "-"))
     return 0
 
 

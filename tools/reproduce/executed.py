@@ -25,6 +25,7 @@ waits for the next relaunch.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
@@ -103,19 +104,16 @@ class Config:
     def global_batch(self) -> int:
         return 2 * MICRO_BATCHES * self.ranks // self.pipeline
 
+    @functools.cached_property
     def device(self) -> Profile:
         """The emulated device as the planner sees it (dilated, compressed storage)."""
         return emulated_profile(Profile.load(self.profile), self.dilation, self.storage_mib_per_s)
 
-    @property
-    def device_iteration_ms(self) -> float:
-        """The failure-free iteration on the profile's own device (undilated)."""
-        return predict_plan(self.plan, Profile.load(self.profile)).iteration_ms
-
-    @property
+    @functools.cached_property
     def compression(self) -> float:
         """Real seconds per second of the emulated device's time in a trace."""
-        return HOUR_S / (self.interval * self.device_iteration_ms / 1e3)
+        device_ms = predict_plan(self.plan, Profile.load(self.profile)).iteration_ms  # undilated
+        return HOUR_S / (self.interval * device_ms / 1e3)
 
     @property
     def storage_mib_per_s(self) -> float:
@@ -174,6 +172,16 @@ def poisson(iterations: int, mean: float, plan: ExecutionPlan, repair: int | Non
                          _victims(at, plan, rng))
 
 
+def trace_set(iterations: int, every: int, poisson_mean: float | None,
+              plan: ExecutionPlan,
+              repair: int | None, seed: int) -> list[ExecutedTrace]:
+    """The fixed-interval trace, and a Poisson one when `poisson_mean` is given."""
+    trs = [fixed_interval(iterations, every, plan, repair, seed)]
+    if poisson_mean is not None:
+        trs.append(poisson(iterations, poisson_mean, plan, repair, seed))
+    return trs
+
+
 # ---- runs ---------------------------------------------------------------------------------------
 @dataclass
 class Measured:
@@ -185,8 +193,6 @@ class Measured:
     losses: list[float]
     recoveries: Counter = field(default_factory=Counter)  # strategy taken at each failure
     rejoins: int = 0
-    relaunches: int = 0
-    relaunch_s: list[float] = field(default_factory=list)  # kill to the next first iteration
     overrun_share: float = 0.0
     valid: bool = True
     startup_s: float = 0.0             # launch to the start of iteration 1
@@ -281,13 +287,13 @@ def _relaunched(trace: ExecutedTrace, c: Config, ff: Measured, workdir: Path, na
     back_at: dict[int, float] = {}     # a killed GPU -> wall time it is up again
     repair_s = math.inf if trace.repair is None else trace.repair * ff.median_iteration_ms / 1e3
     pending = list(trace.kills)
-    relaunch_s, launched, killed_at = [], time.time(), None
+    launched, relaunches = time.time(), 0
     for segment in range(len(trace.kills) + 1):
         now = time.time()
         down = {g for g, t in back_at.items() if t > now}
         plan, gpus = c.plan, list(range(c.ranks))
         if down:
-            plan = replan(c.plan, down, c.device())
+            plan = replan(c.plan, down, c.device)
             if plan is None:
                 raise TraceError(f"{name}: no plan over the GPUs up")
             gpus = c.plan.survivors(down, plan.world_size)
@@ -305,31 +311,26 @@ def _relaunched(trace: ExecutedTrace, c: Config, ff: Measured, workdir: Path, na
         run = run_chameleon(plan.world_size, args, workdir, name=seg,
                             timeout=_timeout(c, trace.iterations),
                             launcher_args=LAUNCHER + ["--max-failures", "0"])
-        its = [e for e in run.metrics if e["event"] == "iteration"]
-        if killed_at is not None and its:
-            relaunch_s.append(its[0]["time"] - its[0]["elapsed_ms"] / 1e3 - killed_at)
         metrics += run.metrics
         if run.returncode == 0 and not pending:
             break
         if not pending or run.returncode == 0:
             raise TraceError(f"{name}: segment {seg} exited with {run.returncode}, "
                              f"{len(pending)} kill(s) left: {_last_line(run.stderr)}")
-        # the kill fell in the iteration after the last one recorded
-        killed_at = its[-1]["time"] if its else time.time()
         back_at[pending.pop(0).rank] = time.time() + repair_s
+        relaunches += 1
         # Megatron's relaunch takes RELAUNCH_S (compressed); the next launch's own start-up
         # here is part of it, so only what the failure-free run's start-up leaves is slept.
         time.sleep(max(0.0, c.relaunch_wall_s - ff.startup_s))
     m = _measure(MEGATRON, trace.name, metrics, trace.iterations, c, launched)
-    m.relaunches, m.relaunch_s = len(relaunch_s), relaunch_s
-    m.recoveries = Counter({"relaunch": len(relaunch_s)})
+    m.recoveries = Counter({"relaunch": relaunches})
     return m
 
 
 def _timeout(c: Config, iterations: int, kills: int = 0) -> float:
     """Bounds one job: its iterations at 4x the emulated time, plus 3 minutes of start-up and
     2 per recovery on a few shared cores; far beyond that it is stuck."""
-    ms = predict_plan(c.plan, c.device()).iteration_ms
+    ms = predict_plan(c.plan, c.device).iteration_ms
     return 4 * iterations * ms / 1e3 + 180 + 120 * kills
 
 
@@ -342,7 +343,7 @@ def predicted_samples_per_s(trace: ExecutedTrace, c: Config, policy: simulate.Po
                             ff: Measured) -> float:
     """What tools/reproduce/simulate predicts for the trace with the emulated device: the
     kills at their iterations' failure-free times, relaunches as long as here."""
-    device = c.device()
+    device = c.device
     ms = predict_plan(c.plan, device).iteration_ms
     hours = ms / 3.6e6
     events = []
@@ -359,12 +360,6 @@ def predicted_samples_per_s(trace: ExecutedTrace, c: Config, policy: simulate.Po
     relaunch_s = max(c.relaunch_wall_s, ff.startup_s)
     costs = simulate.Costs(c.save_interval * ms / 6e4, relaunch_s / 60)
     return simulate.simulate(setup, policy, t, costs).samples_per_s(c.global_batch)
-
-
-def max_relative_difference(losses: list[float], reference: list[float]) -> float:
-    if len(losses) != len(reference):
-        return math.inf
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
 # ---- a comparison -------------------------------------------------------------------------------
@@ -395,8 +390,8 @@ class Comparison:
     @property
     def predicted_failure_free(self) -> float:
         """The simulator's failure-free throughput of the emulated job, samples/s."""
-        device = self.config.device()
-        return self.config.global_batch / predict_plan(self.config.plan, device).iteration_ms * 1e3
+        c = self.config
+        return c.global_batch / predict_plan(c.plan, c.device).iteration_ms * 1e3
 
     def predicted_ratio(self, trace: str, policy: str) -> float:
         return self.predicted[trace, "auto"] / self.predicted[trace, policy]

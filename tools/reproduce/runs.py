@@ -5,6 +5,7 @@ one after another: the machine has two cores."""
 
 from __future__ import annotations
 
+import math
 import shlex
 import tempfile
 from dataclasses import dataclass
@@ -89,4 +90,8 @@ def run_one(schedule: Schedule, label: str, data: str, workdir: Path) -> CpuRun:
 
 
 def max_relative_difference(losses: list[float], reference: list[float]) -> float:
+    """The largest relative difference per iteration; infinite when the runs differ in
+    length (a run that lost iterations is not the reference's trajectory)."""
+    if len(losses) != len(reference):
+        return math.inf
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))

@@ -365,9 +365,8 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str]]:
     c = executed.Config(o.executed_ranks, 2, e["dilation"],
                         executed.default_profile(work / "device.json"), runs.dataset(),
                         e["every"])
-    trs = [executed.fixed_interval(e["iterations"], e["every"], c.plan, e["repair"], o.seed)]
-    if e["poisson"]:
-        trs.append(executed.poisson(e["iterations"], e["every"], c.plan, e["repair"], o.seed))
+    trs = executed.trace_set(e["iterations"], e["every"], e["every"] if e["poisson"] else None,
+                             c.plan, e["repair"], o.seed)
     load = load_note()
     policies = list(simulate.POLICIES)
     with tqdm(total=1 + len(trs) * len(policies), desc="table 2: executed runs",
@@ -376,7 +375,6 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str]]:
     ff = cmp.failure_free_samples_per_s
     reference = cmp.failure_free[0].losses
     rows, ratio_rows = [], []
-    paper = {"oobleck": PAPER_RATIOS["oobleck"], "recycle": PAPER_RATIOS["recycle"]}
     for t in trs:
         kills = ", ".join(f"rank {k.rank} at {k.iteration}" for k in t.kills)
         for p in policies:
@@ -385,11 +383,12 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str]]:
                          cmp.predicted[t.name, p.name],
                          cmp.predicted[t.name, p.name] / cmp.predicted_failure_free,
                          ", ".join(f"{k} {v}" for k, v in m.recoveries.most_common()),
-                         m.rejoins, executed.max_relative_difference(m.losses, reference),
+                         m.rejoins, runs.max_relative_difference(m.losses, reference),
                          100 * m.overrun_share, "yes" if m.valid else "NO"])
             if p.name != "auto":
                 ratio_rows.append([t.name, f"auto / {p.label}", cmp.ratio(t.name, p.name),
-                                   cmp.predicted_ratio(t.name, p.name), paper.get(p.name)])
+                                   cmp.predicted_ratio(t.name, p.name),
+                                   PAPER_RATIOS.get(p.name)])
     r = "{:.3f}"
     tables = [
         Table("table2_executed_ratios", [("trace", ""), ("ratio", ""), ("measured", r),
