@@ -1,7 +1,7 @@
 """Chameleon-Megatron: megatron.training, megatron.elastic and chameleon_ext.
 
 `megatron` is a namespace package shared with the installed megatron-core (megatron.core), so it
-has no __init__.py here. The csrc extension (chameleon_ext._C) is optional: when it cannot be
+has no __init__.py here. The csrc extension (chameleon_ext.comm._C) is optional: when it cannot be
 built, the pure-torch paths are used.
 """
 
@@ -11,12 +11,12 @@ import sys
 from setuptools import find_namespace_packages, setup
 
 
-# ---- the csrc extension (chameleon_ext._C) -----------------------------------------------------
+# ---- the csrc extension (chameleon_ext.comm._C) -----------------------------------------------------
 # C++ always; C++ + CUDA where torch is a CUDA build, nvcc is found (torch's CUDA_HOME) and a GPU
 # is visible at build time (or FORCE_CUDA=1). CHAMELEON_NO_EXT=1 skips it. A failing build never
-# fails the install: one warning line, and chameleon_ext.comm uses its pure-torch fallback.
+# fails the install: one warning line, and chameleon_ext.comm.packed uses its pure-torch fallback.
 def _warn(msg: str) -> None:
-    print(f"WARNING: chameleon_ext._C: {msg}", file=sys.stderr, flush=True)
+    print(f"WARNING: chameleon_ext.comm._C: {msg}", file=sys.stderr, flush=True)
 
 
 def _short(exc: BaseException) -> str:
@@ -25,20 +25,20 @@ def _short(exc: BaseException) -> str:
 
 
 def _remove_stale_extension() -> None:
-    """An editable install builds chameleon_ext._C in place; when it is not (re)built, an older
+    """An editable install builds chameleon_ext.comm._C in place; when it is not (re)built, an older
     copy left there must not be imported instead."""
     import glob
 
     here = os.path.dirname(os.path.abspath(__file__))
-    for path in glob.glob(os.path.join(here, "chameleon_ext", "_C.*")):
+    for path in glob.glob(os.path.join(here, "chameleon_ext", "comm", "_C.*")):
         if path.endswith((".so", ".pyd", ".dylib")):
             os.remove(path)
-            print(f"chameleon_ext._C: removed the stale in-place build {path}", flush=True)
+            print(f"chameleon_ext.comm._C: removed the stale in-place build {path}", flush=True)
 
 
 def _extension_kwargs() -> dict:
     if os.environ.get("CHAMELEON_NO_EXT", "") == "1":
-        print("chameleon_ext._C: CHAMELEON_NO_EXT=1, not building the csrc extension", flush=True)
+        print("chameleon_ext.comm._C: CHAMELEON_NO_EXT=1, not building the csrc extension", flush=True)
         _remove_stale_extension()
         return {}
     try:
@@ -55,11 +55,11 @@ def _extension_kwargs() -> dict:
     sources = ["csrc/comm.cpp"]
     if with_cuda:
         ext = cpp_extension.CUDAExtension(
-            "chameleon_ext._C", sources + ["csrc/comm_cuda.cu"],
+            "chameleon_ext.comm._C", sources + ["csrc/comm_cuda.cu"],
             define_macros=[("CHAMELEON_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]})
     else:
-        ext = cpp_extension.CppExtension("chameleon_ext._C", sources,
+        ext = cpp_extension.CppExtension("chameleon_ext.comm._C", sources,
                                          extra_compile_args={"cxx": cxx_flags})
     ext.optional = True  # setuptools then skips copying a missing output instead of failing
 
@@ -97,7 +97,7 @@ setup(
                                               "chameleon_ext*"]),
     install_requires=["torch==2.13.0", "megatron-core==0.16.1", "numpy", "tqdm", "tensorboard"],
     extras_require={"dev": ["pytest", "pytest-timeout"]},
-    entry_points={"console_scripts": ["chameleon-launch = chameleon_ext.launcher:main",
-                                      "chameleon-plan = chameleon_ext.plan_cli:main"]},
+    entry_points={"console_scripts": ["chameleon-launch = chameleon_ext.control.launcher:main",
+                                      "chameleon-plan = chameleon_ext.planning.cli:main"]},
     **_extension_kwargs(),
 )

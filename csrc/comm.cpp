@@ -1,12 +1,12 @@
-// chameleon_ext._C: fused kernels for rerouted communication.
+// chameleon_ext.comm._C: fused kernels for rerouted communication.
 //
 //   pack(tensors)                      -> one uint8 buffer: header + 16-byte aligned data
 //   unpack(buffer, copy=False)         -> list of tensors (views into buffer unless copy)
 //   scale_accumulate(dst, buffer, scale, mode) : dst[i] += scale * tensor_i, in float32
 //
-// The pure-torch twin of every function lives in chameleon_ext/comm.py and produces the same
+// The pure-torch twin of every function lives in chameleon_ext/comm/packed.py and produces the same
 // bytes, the same values (bit for bit) and the same error messages; tests/unit/test_comm.py
-// holds the two to that. The header layout is documented in chameleon_ext/comm.py and below.
+// holds the two to that. The header layout is documented in chameleon_ext/comm/packed.py and below.
 //
 // Header (little-endian), then the data of each tensor at its offset (multiple of 16), zero
 // padding between the end of one tensor's bytes and the next 16-byte boundary:
@@ -41,7 +41,7 @@
 #endif
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "chameleon_ext._C assumes a little-endian host"
+#error "chameleon_ext.comm._C assumes a little-endian host"
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -621,7 +621,7 @@ bool cuda_built() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.doc() = "chameleon_ext._C: fused pack/unpack and scaled accumulate for rerouted traffic";
+  m.doc() = "chameleon_ext.comm._C: fused pack/unpack and scaled accumulate for rerouted traffic";
   m.def("pack", &chameleon::pack, py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
         "Pack tensors into one uint8 buffer (header + 16-byte aligned data).");
   m.def("unpack", &chameleon::unpack, py::arg("buffer"), py::arg("copy") = false,

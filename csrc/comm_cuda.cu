@@ -1,4 +1,4 @@
-// CUDA kernels of chameleon_ext._C: multi-tensor pack copy and fused scaled accumulate.
+// CUDA kernels of chameleon_ext.comm._C: multi-tensor pack copy and fused scaled accumulate.
 // Built only where nvcc and a CUDA build of torch exist (see setup.py). The descriptors of up to
 // kMaxDescs tensors travel in the kernel's parameter block (no extra host-to-device copy); longer
 // lists take several launches. blockIdx.y selects the tensor, blockIdx.x strides over its data.

@@ -78,7 +78,7 @@ def run_job(nproc: int, args: list[str], workdir: Path, *, timeout: float = 240,
 def run_chameleon(nproc: int, args: list[str], workdir: Path, *, timeout: float = 300,
                   name: str = "job", launcher_args: list[str] = ()) -> Run:
     """The same under chameleon-launch, whose workers survive a peer's death."""
-    return _run(["chameleon_ext.launcher", "--nproc-per-node", str(nproc), "--master-port",
+    return _run(["chameleon_ext.control.launcher", "--nproc-per-node", str(nproc), "--master-port",
                  str(free_port()), *launcher_args], args, workdir, timeout, name)
 
 
@@ -142,7 +142,7 @@ def run_nodes(nnodes: int, nproc: int, args: list[str], workdir: Path, *, timeou
     procs, outs = [], []
     for node in range(nnodes):
         out = [open(workdir / f"{name}.node{node}.{s}", "w+") for s in ("out", "err")]
-        cmd = [sys.executable, "-m", "chameleon_ext.launcher", "--nnodes", str(nnodes),
+        cmd = [sys.executable, "-m", "chameleon_ext.control.launcher", "--nnodes", str(nnodes),
                "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-addr",
                "127.0.0.1", "--master-port", str(port),
                *(["--store", store] if store else []), *launcher_args,

@@ -1,6 +1,6 @@
 """Short names for writing op lists by hand in tests."""
 
-from chameleon_ext.schedule_ir import Op, OpKind as K
+from chameleon_ext.schedule.ir import Op, OpKind as K
 
 
 def F(mb):

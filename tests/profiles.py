@@ -1,6 +1,6 @@
 """Synthetic performance-model profiles for tests: every cost zero unless given."""
 
-from chameleon_ext.perf_model import ModelShape, Profile
+from chameleon_ext.planning.perf_model import ModelShape, Profile
 
 
 def synthetic_profile(shape: ModelShape, **costs) -> Profile:

@@ -164,7 +164,7 @@ def run_with_kill(args: argparse.Namespace, train: list[str]) -> list[dict]:
     _heading(f"1/2  {NPROC} workers, pipeline 2 x data 2, under chameleon-launch; worker "
              f"{VICTIM} is killed (SIGKILL) in the backward of iteration {args.kill_iter} "
              f"of {args.iters}: --chameleon-inject {inject}")
-    launch(["chameleon_ext.launcher", "--nproc-per-node", str(NPROC), "--master-port", "0",
+    launch(["chameleon_ext.control.launcher", "--nproc-per-node", str(NPROC), "--master-port", "0",
             "pretrain_gpt.py", *train, "--chameleon", "--chameleon-strategy", "auto",
             "--chameleon-inject", inject, "--chameleon-metrics-file", str(metrics),
             "--tensorboard-dir", str(args.out / "tensorboard")],

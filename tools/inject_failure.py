@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 
 try:
-    from chameleon_ext import membership as mb
+    from chameleon_ext.control import membership as mb
 except ImportError:          # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from chameleon_ext import membership as mb
+    from chameleon_ext.control import membership as mb
 
 PROG = "inject_failure.py"
 

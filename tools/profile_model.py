@@ -1,4 +1,4 @@
-"""Write a Chameleon performance-model profile (chameleon_ext.perf_model.Profile, JSON) for a GPT
+"""Write a Chameleon performance-model profile (chameleon_ext.planning.perf_model.Profile, JSON) for a GPT
 configuration, for planning at sizes the training machine cannot run.
 
     python tools/profile_model.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
@@ -51,11 +51,11 @@ from pathlib import Path
 from typing import Callable
 
 try:
-    from chameleon_ext.perf_model import DEVICES, MIB, ModelShape, Profile, ProfileError, \
+    from chameleon_ext.planning.perf_model import DEVICES, MIB, ModelShape, Profile, ProfileError, \
         analytical_profile
 except ImportError:          # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from chameleon_ext.perf_model import DEVICES, MIB, ModelShape, Profile, ProfileError, \
+    from chameleon_ext.planning.perf_model import DEVICES, MIB, ModelShape, Profile, ProfileError, \
         analytical_profile
 
 PROG = "profile_model.py"

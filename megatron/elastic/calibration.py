@@ -23,11 +23,11 @@ import json
 import statistics
 from dataclasses import dataclass, field
 
-from chameleon_ext.perf_model import Profile, fit_layer_costs, overhead_ms, predict, stage_params
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_choice import choose_schedule
-from chameleon_ext.schedule_ir import COMPUTE, Op, Schedule
-from chameleon_ext.strategies.redundancy import eager_cost
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import Profile, fit_layer_costs, overhead_ms, predict, stage_params
+from chameleon_ext.planning.strategies.redundancy import eager_cost
+from chameleon_ext.schedule.choice import choose_schedule
+from chameleon_ext.schedule.ir import COMPUTE, Op, Schedule
 from megatron.elastic.schedules import SHADOW_SYNC
 from megatron.elastic.schedules import TIMER_OF as SCHEDULE_TIMERS
 

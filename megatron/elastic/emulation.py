@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from chameleon_ext.perf_model import MIB, ModelShape, Profile, ProfileCosts, stage_params
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import Op, OpKind
-from chameleon_ext.simulator import reduction_components
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import MIB, ModelShape, Profile, ProfileCosts, stage_params
+from chameleon_ext.schedule.ir import Op, OpKind
+from chameleon_ext.schedule.simulator import reduction_components
 
 # Storage a checkpoint is written to and read from, per rank: 2 GiB/s, what one GPU node's
 # share of a parallel file system or a local NVMe drive sustains for large sequential files.

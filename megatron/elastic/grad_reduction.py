@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
 from megatron.elastic.parallel_state import ReductionGroup
 
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.")

@@ -34,13 +34,13 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from chameleon_ext import membership
-from chameleon_ext.decision import Decision, Switch, Verdict
-from chameleon_ext.faults import Injector
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import Op, OpKind
+from chameleon_ext.control import membership
+from chameleon_ext.control.faults import Injector
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.decider import Decider
+from chameleon_ext.planning.decision import Decision, Switch, Verdict
+from chameleon_ext.schedule.ir import Op, OpKind
 from megatron.elastic import parallel_state
-from megatron.elastic.deciding import Decider
 
 PHASE_OF = {OpKind.FWD: "forward", OpKind.BWD: "backward", OpKind.BWD_INPUT: "backward",
             OpKind.BWD_WEIGHT: "backward", OpKind.REDUCE_GRADS: "grad-reduce",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from chameleon_ext.schedule_ir import Op
+from chameleon_ext.schedule.ir import Op
 from megatron.elastic import optimizer_step
 from megatron.elastic.schedules import Executor, StageRuntime, StepResult, to_device
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mps
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
 
 
 @dataclass

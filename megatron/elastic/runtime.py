@@ -15,14 +15,14 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_choice import choose_schedule
-from chameleon_ext.schedule_ir import OpKind, Schedule, forward_only
-from chameleon_ext.strategies import redundancy
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.strategies import redundancy
+from chameleon_ext.schedule.choice import choose_schedule
+from chameleon_ext.schedule.ir import OpKind, Schedule, forward_only
 from megatron.elastic import grad_reduction, parallel_state, stage_model, state_transfer, wgrad
 from megatron.elastic.memory_meter import MemoryMeter
-from megatron.elastic.shadows import Shadows
 from megatron.elastic.schedules import ComputeClock, Executor, StageRuntime
+from megatron.elastic.shadows import Shadows
 
 # model_provider(config, pre_process, post_process) -> megatron-core GPTModel
 ModelProvider = Callable[[TransformerConfig, bool, bool], torch.nn.Module]

@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from chameleon_ext import comm
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import COMPUTE, RECV_OF, FusedMessage, Op, OpKind, Schedule
+from chameleon_ext.comm import packed as comm
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.schedule.ir import COMPUTE, RECV_OF, FusedMessage, Op, OpKind, Schedule
 from megatron.elastic import optimizer_step
 from megatron.elastic.emulation import EmulatedDevice
 from megatron.elastic.grad_reduction import GradReduction

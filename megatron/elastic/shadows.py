@@ -1,4 +1,4 @@
-"""Shadow copies of eager redundancy (chameleon_ext.strategies.redundancy) in a rank's runtime.
+"""Shadow copies of eager redundancy (chameleon_ext.planning.strategies.redundancy) in a rank's runtime.
 
 Each iteration starts with a refresh: an owner sends its parameters and optimizer state (one
 packed buffer per holder and dtype) to the rank that holds its shadow, which receives them into

@@ -33,7 +33,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import layers
 from megatron.core.transformer import TransformerConfig
 
-from chameleon_ext.plan import Stage
+from chameleon_ext.plan.execution_plan import Stage
 
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.")
 _SCALED_INIT = (".linear_proj.weight", ".linear_fc2.weight")

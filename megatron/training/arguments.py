@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from chameleon_ext.faults import FaultSpecError, parse_inject
-from chameleon_ext.perf_model import Profile, ProfileError
+from chameleon_ext.control.faults import FaultSpecError, parse_inject
+from chameleon_ext.planning.perf_model import Profile, ProfileError
 from megatron.elastic.emulation import STORAGE_MIB_PER_S
 
 TOKENIZERS = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -141,7 +141,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "plan with until this job's own timers have calibrated one")
     g.add_argument("--chameleon-emulate", default=None, metavar="PROFILE.json",
                    help="emulate a dedicated device of this performance-model profile per rank "
-                        "(e.g. chameleon_ext.perf_model.analytical_profile(shape, 'H200') saved "
+                        "(e.g. chameleon_ext.planning.perf_model.analytical_profile(shape, 'H200') saved "
                         "with Profile.save): each op still computes this job's model, then "
                         "sleeps until the profile's time for it (a layer of this job costs a "
                         "layer of the profile's shape) times --chameleon-emulate-dilation; "

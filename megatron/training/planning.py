@@ -9,8 +9,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from chameleon_ext.perf_model import ModelShape, Profile, ProfileError
-from chameleon_ext.planner import Situation
+from chameleon_ext.planning.perf_model import ModelShape, Profile, ProfileError
+from chameleon_ext.planning.planner import Situation
 from megatron.training import checkpointing
 
 # Loopback gloo on one CPU host, estimated; what they miss stays in the calibrated overhead.

@@ -13,9 +13,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from chameleon_ext.message_fusion import message_count
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import OpKind
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.schedule.ir import OpKind
+from chameleon_ext.schedule.message_fusion import message_count
 from megatron.elastic.emulation import OVERRUN_LIMIT
 from megatron.training import planning
 from megatron.training.metrics import MetricsFile, Tensorboard, iteration_line

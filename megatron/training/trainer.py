@@ -28,16 +28,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from chameleon_ext import comm, membership, placement
-from chameleon_ext.decision import Decision
-from chameleon_ext.faults import Injector
-from chameleon_ext.perf_model import Profile, ProfileError, predict_plan
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import COMPUTE
-from chameleon_ext.strategies import redundancy
+from chameleon_ext.comm import packed as comm
+from chameleon_ext.control import membership
+from chameleon_ext.control.faults import Injector
+from chameleon_ext.plan import placement
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.decider import Decider, Planning
+from chameleon_ext.planning.decision import Decision
+from chameleon_ext.planning.perf_model import Profile, ProfileError, predict_plan
+from chameleon_ext.planning.strategies import redundancy
+from chameleon_ext.schedule.ir import COMPUTE
 from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
 from megatron.elastic.calibration import LiveCalibration
-from megatron.elastic.deciding import Decider, Planning
 from megatron.elastic.emulation import Emulation
 from megatron.elastic.manager import (PHASE_OF, Admission, ElasticConfig, ElasticManager,
                                       Entered, Failure, NotNeeded, PlannedSwitch, Unrecoverable)
@@ -187,7 +189,7 @@ class Trainer:
         manager = ElasticManager(config, injector, Decider(
             config.strategy, config.eager, target=plan, placement=args.chameleon_placement))
         # Every launch rank has its launcher's record before it starts: 5 s is ample.
-        manager.decider.nodes = lambda ranks: placement.nodes_from_store(manager.store, ranks,
+        manager.decider.nodes = lambda ranks: membership.nodes_from_store(manager.store, ranks,
                                                                          timeout_s=5.0)
         return manager
 

@@ -12,9 +12,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from chameleon_ext import membership, placement
-from chameleon_ext.faults import FaultSpecError, Injector, parse_injects
-from chameleon_ext.plan import ExecutionPlan, PlanError
+from chameleon_ext.control import membership
+from chameleon_ext.control.faults import FaultSpecError, Injector, parse_injects
+from chameleon_ext.plan import placement
+from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
 from megatron.elastic import parallel_state
 from megatron.elastic.manager import ElasticManager
 from megatron.training.arguments import ArgumentError, parse_args
@@ -108,7 +109,7 @@ def place_on_nodes(args, plan: ExecutionPlan) -> tuple[ExecutionPlan, str | None
     a --chameleon-plan runs as given. Only ranks are renamed: the losses do not change."""
     if args.chameleon_plan or not os.environ.get(membership.STORE_ENV):
         return plan, None
-    nodes = placement.nodes_from_store(membership.connect_store(), plan.world_size)
+    nodes = membership.nodes_from_store(membership.connect_store(), plan.world_size)
     placed = placement.place(args.chameleon_placement, nodes, args.tensor_model_parallel_size,
                              args.pipeline_model_parallel_size, args.num_layers,
                              args.micro_batch_size, args.global_batch_size)

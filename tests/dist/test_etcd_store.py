@@ -17,8 +17,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext import membership as mb
-from chameleon_ext.etcd_store import EtcdStore
+from chameleon_ext.control import membership as mb
+from chameleon_ext.control.etcd_store import EtcdStore
 from tests.etcd_cluster import EtcdCluster
 from tests.launch import REPO, SMALL_MODEL, run_chameleon
 
@@ -195,7 +195,7 @@ def test_bad_addresses_are_one_line_errors(tmp_path):
         mb.connect_store("etcd://127.0.0.1:1", timeout_s=1)
     assert time.monotonic() - t0 < 5
     for bad in ("etcd://", "etcd://127.0.0.1:port", "127.0.0.1"):
-        p = subprocess.run([sys.executable, "-m", "chameleon_ext.launcher", "--store", bad,
+        p = subprocess.run([sys.executable, "-m", "chameleon_ext.control.launcher", "--store", bad,
                             "train.py"], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert p.returncode == 2, p.stderr
         assert p.stderr.startswith("chameleon-launch: error: --store: ")

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
 from megatron.elastic import grad_reduction, parallel_state
 from megatron.elastic.parallel_state import ReductionGroup
 from tests.launch import SMALL_MODEL, assert_close, run_chameleon, run_job

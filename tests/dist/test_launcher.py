@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext import membership as mb
+from chameleon_ext.control import membership as mb
 from tests.launch import SMALL_MODEL, run_chameleon
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ if mode == "exit":                       # no torch: rank 0 fails once the test 
 import torch
 torch.set_num_threads(1)
 import torch.distributed as dist
-from chameleon_ext import membership as mb
+from chameleon_ext.control import membership as mb
 store = mb.connect_store()
 def put(key, value):
     store.set("test/" + key, json.dumps(value))
@@ -140,7 +140,7 @@ class Launch:
         self.port = port or free_port()
         self.addr = store or f"127.0.0.1:{self.port}"     # where the test reads the store
         self.err_path = tmp / "agent.err"
-        cmd = [sys.executable, "-m", "chameleon_ext.launcher", "--nproc-per-node", str(nproc),
+        cmd = [sys.executable, "-m", "chameleon_ext.control.launcher", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(self.port), *flags,
                str(script), mode, *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",

@@ -94,9 +94,9 @@ def test_rerouted_plan_with_split_backward_matches_single_process(single, small_
     schedule splits backwards (weight halves deferred into bubbles) and packs sends to one peer
     into one message; the numbers stay those of one process, and are the same bit for bit with
     the compiled pack/unpack and with the torch fallback (CHAMELEON_NO_EXT=1)."""
-    from chameleon_ext.plan import ExecutionPlan
-    from chameleon_ext.strategies.reroute import reroute
-    from chameleon_ext.schedule_choice import choose_schedule
+    from chameleon_ext.plan.execution_plan import ExecutionPlan
+    from chameleon_ext.planning.strategies.reroute import reroute
+    from chameleon_ext.schedule.choice import choose_schedule
 
     plan = reroute(ExecutionPlan.failure_free(4, 1, 2, 4, 2, 16), {3})
     schedule = choose_schedule(plan)

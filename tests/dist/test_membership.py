@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext import membership as mb
+from chameleon_ext.control import membership as mb
 
 pytestmark = pytest.mark.slow
 

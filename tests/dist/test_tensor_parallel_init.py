@@ -37,7 +37,7 @@ def _losses_and_grads(tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, d
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    from chameleon_ext.plan import ExecutionPlan
+    from chameleon_ext.plan.execution_plan import ExecutionPlan
     from megatron.elastic import parallel_state, stage_model
 
     plan = ExecutionPlan.failure_free(2, tp, 1, 2, BATCH, BATCH * (2 // tp))

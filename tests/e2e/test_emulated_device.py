@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from chameleon_ext.perf_model import ModelShape, predict_plan
-from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import ModelShape, predict_plan
 from megatron.elastic.emulation import emulated_profile
 from tests.launch import SMALL_MODEL, assert_close, run_chameleon, run_job
 from tests.profiles import synthetic_profile

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from chameleon_ext import membership as mb
+from chameleon_ext.control import membership as mb
 from tests.etcd_cluster import EtcdCluster
 from tests.launch import (SMALL_MODEL, LateKill, assert_close, free_port, last_losses, run_job,
                           run_nodes)

@@ -5,7 +5,7 @@ failure-free loss trajectory."""
 
 import pytest
 
-from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
 from tests.launch import SMALL_MODEL, assert_close, last_losses, run_chameleon, run_job
 
 pytestmark = pytest.mark.slow

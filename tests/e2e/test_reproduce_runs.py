@@ -33,7 +33,7 @@ def test_every_file_is_written_and_the_report_names_the_command(results):
     report = (results / "REPORT.md").read_text()
     assert report.count("-m tools.reproduce table3 table4 table5 table6 --quick --out") == 4
     # each CPU run's own command line, metrics file included
-    assert report.count("python -m chameleon_ext.launcher --nproc-per-node 4") == 3
+    assert report.count("python -m chameleon_ext.control.launcher --nproc-per-node 4") == 3
 
 
 def test_every_strategy_keeps_the_failure_free_loss_trajectory(results):

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext.perf_model import ModelShape, predict
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import one_f_one_b
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import ModelShape, predict
+from chameleon_ext.schedule.ir import one_f_one_b
 from megatron.elastic.calibration import (Calibrator, LiveCalibration, StageSample, calibrate,
                                           profile_from_samples, sample_key)
 from megatron.elastic.schedules import ComputeClock
@@ -125,7 +125,7 @@ def test_prediction_check_leaves_out_the_first_iteration():
 def test_a_profile_calibrated_under_tensor_parallelism_is_a_shards():
     """The timers of a TP 2 job measure a shard's ops, their all-reduces included: the fitted
     profile says so, and predicts that plan from its measured costs as they are."""
-    from chameleon_ext.perf_model import analytical_profile
+    from chameleon_ext.planning.perf_model import analytical_profile
     shape = ModelShape(4, 64, 4, 32, 2, 128)
     plan = ExecutionPlan.failure_free(4, 2, 2, 4, 2, 8)
     schedule = one_f_one_b(plan)

@@ -1,6 +1,6 @@
-"""chameleon_ext.comm: packed messages for rerouted traffic.
+"""chameleon_ext.comm.packed: packed messages for rerouted traffic.
 
-The compiled path (chameleon_ext._C) and the pure-torch fallback must write the same bytes, read
+The compiled path (chameleon_ext.comm._C) and the pure-torch fallback must write the same bytes, read
 back the same tensors, raise the same errors on malformed headers, and accumulate bit for bit the
 same values. Tests that need the extension are skipped, with the reason, when it is not built.
 """
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from chameleon_ext import comm
+from chameleon_ext.comm import packed as comm
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_EXT = comm._C is not None
 needs_ext = pytest.mark.skipif(
-    not HAVE_EXT, reason=f"chameleon_ext._C is not built ({comm._EXT_REASON}); "
+    not HAVE_EXT, reason=f"chameleon_ext.comm._C is not built ({comm._EXT_REASON}); "
     "extension-specific tests skipped (build with: pip install --no-build-isolation -e .)")
 
 PACKERS = {"torch": comm._torch_pack}
@@ -425,7 +425,7 @@ def _run(code, **env):
 
 def test_no_ext_env_selects_torch_and_logs_once():
     code = ("import logging, torch; logging.basicConfig(level=logging.INFO);"
-            "from chameleon_ext import comm; b = comm.pack([torch.ones(2)]); comm.unpack(b);"
+            "from chameleon_ext.comm import packed as comm; b = comm.pack([torch.ones(2)]); comm.unpack(b);"
             "comm.scale_accumulate([torch.zeros(2)], b); print(comm.backend())")
     res = _run(code, CHAMELEON_NO_EXT="1")
     assert res.returncode == 0, res.stderr
@@ -438,7 +438,7 @@ def test_no_ext_env_selects_torch_and_logs_once():
 def test_bit_identical_without_vector_fma():
     """With torch's DEFAULT CPU kernels (multiply, round, add) the probe switches the extension
     to two roundings, and the paths still agree bit for bit."""
-    code = ("import torch; from chameleon_ext import comm;"
+    code = ("import torch; from chameleon_ext.comm import packed as comm;"
             "g = torch.Generator().manual_seed(3);"
             "s = [torch.randn(1003, generator=g) * 1e3, torch.randn(77, generator=g).half()];"
             "d = [torch.randn(1003, generator=g), torch.randn(77, generator=g)];"

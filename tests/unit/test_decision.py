@@ -4,11 +4,11 @@ placement a restart takes survivors from every node and keeps each stage's repli
 
 import pytest
 
-from chameleon_ext.decision import Decision, Switch, Verdict
-from chameleon_ext.placement import place
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.strategies.base import state_survives
-from megatron.elastic.deciding import Decider
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.plan.placement import place
+from chameleon_ext.planning.decider import Decider
+from chameleon_ext.planning.decision import Decision, Switch, Verdict
+from chameleon_ext.planning.strategies.base import state_survives
 
 
 def test_a_verdict_round_trips_through_json():

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from chameleon_ext.perf_model import MIB, ModelShape, ProfileCosts
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import Op, OpKind
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import MIB, ModelShape, ProfileCosts
+from chameleon_ext.schedule.ir import Op, OpKind
 from megatron.elastic.emulation import (STORAGE_MIB_PER_S, Emulation, OverrunCount,
                                         emulated_profile, emulation_event)
 from megatron.training.reporting import Reporter

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from chameleon_ext import faults
-from chameleon_ext.faults import FaultSpec, FaultSpecError, Injector, parse_inject, parse_injects
+from chameleon_ext.control import faults
+from chameleon_ext.control.faults import FaultSpec, FaultSpecError, Injector, parse_inject, parse_injects
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -116,7 +116,7 @@ def test_from_env(monkeypatch):
 ])
 def test_fire_for_real(spec, check):
     """fire() in a child process: the log line first, then the fault."""
-    code = ("import sys; from chameleon_ext.faults import Injector\n"
+    code = ("import sys; from chameleon_ext.control.faults import Injector\n"
             f"inj = Injector({spec!r}, rank=0)\n"
             "for it in range(3):\n"
             "    for ph in ('forward', 'backward', 'between-iterations'): inj.maybe_fire(it, ph)\n"
@@ -133,7 +133,7 @@ def test_fire_for_real(spec, check):
 @pytest.mark.timeout(60)
 def test_fire_hang_stops_the_process():
     p = subprocess.Popen([sys.executable, "-c",
-                          "from chameleon_ext.faults import parse_inject\n"
+                          "from chameleon_ext.control.faults import parse_inject\n"
                           "parse_inject('hang:rank=0,iter=0').fire()\n"
                           "print('resumed', flush=True)\n"],
                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

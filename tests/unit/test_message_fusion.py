@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from chameleon_ext.list_scheduler import list_schedule
-from chameleon_ext.message_fusion import fuse_messages, message_count
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import FusedMessage, Op, OpKind, Schedule, one_f_one_b
-from chameleon_ext.simulator import ScheduleError, UniformCosts, check, simulate
-from chameleon_ext.strategies.reroute import reroute
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.strategies.reroute import reroute
+from chameleon_ext.schedule.ir import FusedMessage, Op, OpKind, Schedule, one_f_one_b
+from chameleon_ext.schedule.list_scheduler import list_schedule
+from chameleon_ext.schedule.message_fusion import fuse_messages, message_count
+from chameleon_ext.schedule.simulator import ScheduleError, UniformCosts, check, simulate
 
 K = OpKind
 

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from chameleon_ext import perf_model
-from chameleon_ext.perf_model import (MIB, ModelShape, Profile, ProfileError, allreduce_ms,
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning import perf_model
+from chameleon_ext.planning.perf_model import (MIB, ModelShape, Profile, ProfileError, allreduce_ms,
                                       analytical_profile, fit_layer_costs, predict, predict_plan,
                                       stage_params, switch_ms, transition_ms)
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_choice import choose_schedule
-from chameleon_ext.schedule_ir import one_f_one_b
-from chameleon_ext.strategies.reroute import reroute
+from chameleon_ext.planning.strategies.reroute import reroute
+from chameleon_ext.schedule.choice import choose_schedule
+from chameleon_ext.schedule.ir import one_f_one_b
 from tests.profiles import synthetic_profile
 
 SHAPE = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -269,8 +269,8 @@ def test_predict_plan_of_misaligned_plans_equals_the_whole_plans_prediction(tp, 
     """A takeover and a re-parallelization split the layers differently across pipelines, so
     their gradient all-reduces chain stages of several pipelines: predicted from their
     representatives all the same, each chain costed and waited for whole."""
-    from chameleon_ext.strategies.reparallelize import reparallelize
-    from chameleon_ext.strategies.takeover import takeover
+    from chameleon_ext.planning.strategies.reparallelize import reparallelize
+    from chameleon_ext.planning.strategies.takeover import takeover
     base = ExecutionPlan.failure_free(8 * tp, tp, 4, 8, 2, 32)
     lost = {base.pipelines[1].stages[2].ranks[-1]}
     plans = [takeover(base, lost), reparallelize(

@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext import membership as mb
-from chameleon_ext import placement as pl
-from chameleon_ext.plan import PlanError
+from chameleon_ext.control import membership as mb
+from chameleon_ext.plan import placement as pl
+from chameleon_ext.plan.execution_plan import PlanError
 
 
 def blocks(n_nodes: int, per_node: int) -> dict[int, int]:
@@ -118,6 +118,6 @@ def test_nodes_come_from_the_launchers_worker_records():
         if r != 3:
             record(r, n)
     threading.Timer(0.3, record, (3, 1)).start()       # node 1's agent, a little late
-    assert pl.nodes_from_store(store, 4, timeout_s=10) == blocks(2, 2)
-    with pytest.raises(PlanError, match=r"ranks \[4, 5\] have no worker record .* 0.2 s"):
-        pl.nodes_from_store(store, 6, timeout_s=0.2)
+    assert mb.nodes_from_store(store, 4, timeout_s=10) == blocks(2, 2)
+    with pytest.raises(mb.MembershipError, match=r"ranks \[4, 5\] have no worker record .* 0.2 s"):
+        mb.nodes_from_store(store, 6, timeout_s=0.2)

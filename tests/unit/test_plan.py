@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from chameleon_ext.plan import ExecutionPlan, Pipeline, PlanError, RankPosition, Stage
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, PlanError, RankPosition, Stage
 
 
 def _layout(plan: ExecutionPlan) -> list[list[list[int]]]:

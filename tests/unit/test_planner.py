@@ -4,16 +4,16 @@ import dataclasses
 
 import pytest
 
-from chameleon_ext.perf_model import (ModelShape, Profile, predict, predict_homogeneous,
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import (ModelShape, Profile, predict, predict_homogeneous,
                                       predict_plan, switch_ms, transition_ms)
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.planner import Situation, candidates, choose, replan
-from chameleon_ext.strategies.base import (balanced_layers, balanced_layers_by_depth,
+from chameleon_ext.planning.planner import Situation, candidates, choose, replan
+from chameleon_ext.planning.strategies.base import (balanced_layers, balanced_layers_by_depth,
                                            stage_cost_ms, with_layers)
-from chameleon_ext.strategies.restart import _iteration_bound
-from chameleon_ext.schedule_choice import choose_schedule
-from chameleon_ext.schedule_ir import one_f_one_b
-from chameleon_ext.strategies.restart import homogeneous, restart_plan
+from chameleon_ext.planning.strategies.restart import _iteration_bound
+from chameleon_ext.planning.strategies.restart import homogeneous, restart_plan
+from chameleon_ext.schedule.choice import choose_schedule
+from chameleon_ext.schedule.ir import one_f_one_b
 from tests.profiles import synthetic_profile
 
 SHAPE = ModelShape(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -283,7 +283,7 @@ def test_a_hybrid_needs_both_plans_to_fit():
 def test_chameleon_plan_prints_the_ranked_candidates_as_json(capsys):
     import json
 
-    from chameleon_ext.plan_cli import main
+    from chameleon_ext.planning.cli import main
     args = ["--device", "A100", "--num-layers", "8", "--hidden-size", "256",
             "--num-attention-heads", "8", "--seq-length", "128", "--micro-batch-size", "1",
             "--vocab-size", "1024", "--world-size", "8", "--pipeline-parallel", "2",
@@ -297,7 +297,7 @@ def test_chameleon_plan_prints_the_ranked_candidates_as_json(capsys):
 
 
 def test_chameleon_plan_rejects_bad_input_in_one_line(capsys, tmp_path):
-    from chameleon_ext.plan_cli import main
+    from chameleon_ext.planning.cli import main
     base = ["--device", "A100", "--num-layers", "8", "--hidden-size", "256",
             "--num-attention-heads", "8", "--seq-length", "128", "--micro-batch-size", "1",
             "--vocab-size", "1024", "--world-size", "8", "--global-batch-size", "32"]
@@ -412,9 +412,9 @@ def test_rerouted_schedules_at_tensor_parallel_pass_the_simulator(tp, lost):
     """Every shard of every micro-batch goes forward and backward through every layer once,
     and the schedule cannot deadlock (simulator.check and a simulated run), with whole and
     split backwards."""
-    from chameleon_ext.list_scheduler import list_schedule
-    from chameleon_ext.simulator import UniformCosts, simulate
-    from chameleon_ext.strategies.reroute import reroute
+    from chameleon_ext.schedule.list_scheduler import list_schedule
+    from chameleon_ext.schedule.simulator import UniformCosts, simulate
+    from chameleon_ext.planning.strategies.reroute import reroute
     plan = reroute(ExecutionPlan.failure_free(8 * tp, tp, 4, 8, 1, 16), lost)
     assert plan.rerouted and plan.tensor_parallel == tp
     for split in (False, True):
@@ -427,7 +427,7 @@ def test_rerouted_schedules_at_tensor_parallel_pass_the_simulator(tp, lost):
 def test_chameleon_plan_plans_tensor_parallel_jobs(capsys):
     import json
 
-    from chameleon_ext.plan_cli import main
+    from chameleon_ext.planning.cli import main
     args = ["--device", "H200", "--num-layers", "8", "--hidden-size", "1024",
             "--num-attention-heads", "16", "--seq-length", "1024", "--micro-batch-size", "1",
             "--vocab-size", "32000", "--world-size", "8", "--tensor-parallel", "2",
@@ -443,8 +443,8 @@ def test_chameleon_plan_plans_tensor_parallel_jobs(capsys):
 def test_the_planner_and_a_forced_strategy_take_the_same_proposal_from_the_registry():
     """One registry: under auto each candidate's plan is exactly what the forced strategy of
     that name proposes for the same loss and profile."""
-    from chameleon_ext.strategies import REGISTRY, Context
-    from megatron.elastic.deciding import Decider
+    from chameleon_ext.planning.strategies import REGISTRY, Context
+    from chameleon_ext.planning.decider import Decider
     plan, lost, prof = pp4_dp2(), {5}, synthetic()
     ranked = candidates(plan, lost, prof, Situation(
         iteration=10, checkpoint_iteration=5, remaining_iterations=100, failure_free_ms=60.0))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from chameleon_ext.perf_model import DEVICES, ModelShape, Profile, analytical_profile
+from chameleon_ext.planning.perf_model import DEVICES, ModelShape, Profile, analytical_profile
 from tools import profile_model
 
 ROOT = Path(__file__).resolve().parents[2]

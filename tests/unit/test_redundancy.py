@@ -1,14 +1,14 @@
 """Eager redundancy as planned: who holds whose shadow, what it costs, and a takeover by the
 holder that moves no state."""
 
-from chameleon_ext.perf_model import ModelShape, stage_params
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.planner import Situation, candidates
-from chameleon_ext.strategies.base import moved_bytes
-from chameleon_ext.strategies.redundancy import (SHADOW_BYTES_PER_PARAM, eager_cost, holder_stage,
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import ModelShape, stage_params
+from chameleon_ext.planning.planner import Situation, candidates
+from chameleon_ext.planning.strategies.base import moved_bytes
+from chameleon_ext.planning.strategies.redundancy import (SHADOW_BYTES_PER_PARAM, eager_cost, holder_stage,
                                                  shadow_pairs)
-from chameleon_ext.strategies.reroute import reroute
-from chameleon_ext.strategies.takeover import takeover
+from chameleon_ext.planning.strategies.reroute import reroute
+from chameleon_ext.planning.strategies.takeover import takeover
 from tests.profiles import synthetic_profile
 
 SHAPE = ModelShape(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32,

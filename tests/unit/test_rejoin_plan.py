@@ -2,10 +2,10 @@
 
 import pytest
 
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.strategies.rejoin import overlay
-from chameleon_ext.strategies.reroute import reroute
-from chameleon_ext.strategies.takeover import takeover
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.strategies.rejoin import overlay
+from chameleon_ext.planning.strategies.reroute import reroute
+from chameleon_ext.planning.strategies.takeover import takeover
 
 
 def stage_layers(plan: ExecutionPlan, rank: int) -> tuple[int, int]:

@@ -2,10 +2,10 @@
 balanced per pipeline, the global micro-batches split by the pipelines' speed, and the ranks of
 an untouched pipeline left where they were."""
 
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.strategies.reparallelize import (depth_mixes, pipeline_time, ranked_mixes,
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.strategies.reparallelize import (depth_mixes, pipeline_time, ranked_mixes,
                                                      reparallelize, split_micro_batches)
-from chameleon_ext.strategies.reroute import reroute
+from chameleon_ext.planning.strategies.reroute import reroute
 
 
 def cost(layers: int, first: bool, last: bool) -> float:

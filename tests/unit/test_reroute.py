@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from chameleon_ext.list_scheduler import list_schedule
-from chameleon_ext.plan import ExecutionPlan, PlanError
-from chameleon_ext.schedule_ir import OpKind, one_f_one_b
-from chameleon_ext.simulator import UniformCosts, simulate
-from chameleon_ext.strategies.reroute import reroute
+from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
+from chameleon_ext.planning.strategies.reroute import reroute
+from chameleon_ext.schedule.ir import OpKind, one_f_one_b
+from chameleon_ext.schedule.list_scheduler import list_schedule
+from chameleon_ext.schedule.simulator import UniformCosts, simulate
 
 COSTS = UniformCosts(fwd=1.0, bwd=2.0, message=0.1)
 
@@ -132,7 +132,7 @@ def test_the_list_schedulers_makespan_is_the_simulated_time(world, tp, pp, gbs, 
     """Its ops are placed when the simulator starts them; with no reduction or optimizer cost
     its last forward or backward ends the simulated iteration. No schedule with whole
     backwards ends before whole_backward_bound."""
-    from chameleon_ext.list_scheduler import timed_list_schedule, whole_backward_bound
+    from chameleon_ext.schedule.list_scheduler import timed_list_schedule, whole_backward_bound
     plan = reroute(ExecutionPlan.failure_free(world, tp, pp, 8, 1, gbs), failed)
     for costs in (UniformCosts(), UniformCosts(fwd=1.0, bwd=2.5, message=0.3)):
         for split in (False, True):
@@ -143,7 +143,7 @@ def test_the_list_schedulers_makespan_is_the_simulated_time(world, tp, pp, gbs, 
 
 @pytest.mark.parametrize("world, tp, pp, gbs, failed", REROUTED_PLANS)
 def test_the_executor_runs_the_faster_of_whole_and_split_backwards(world, tp, pp, gbs, failed):
-    from chameleon_ext.schedule_choice import choose_schedule
+    from chameleon_ext.schedule.choice import choose_schedule
     plan = reroute(ExecutionPlan.failure_free(world, tp, pp, 8, 1, gbs), failed)
     whole, split = (list_schedule(plan, UniformCosts(), split_backward=s) for s in (False, True))
     times = [simulate(plan, s, UniformCosts()).iteration_time for s in (whole, split)]

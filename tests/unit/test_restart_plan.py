@@ -3,8 +3,8 @@ whole tensor-parallel groups."""
 
 import pytest
 
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.strategies.restart import homogeneous, restart_plan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.strategies.restart import homogeneous, restart_plan
 
 
 def shape(plan: ExecutionPlan) -> tuple[int, int, list[int]]:

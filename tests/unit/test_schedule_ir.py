@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import Op, OpKind, Schedule, one_f_one_b
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.schedule.ir import Op, OpKind, Schedule, one_f_one_b
 
 from tests.ops import END, B, F, RB, RF, SB, SF
 

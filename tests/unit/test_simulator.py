@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ext.schedule_ir import Op, OpKind, Schedule, one_f_one_b
-from chameleon_ext.simulator import (CostModel, ScheduleError, SimResult, UniformCosts, check,
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.schedule.ir import Op, OpKind, Schedule, one_f_one_b
+from chameleon_ext.schedule.simulator import (CostModel, ScheduleError, SimResult, UniformCosts, check,
                                      simulate)
 
 from tests.ops import END, OPT, RED, B, BI, BW, F, RB, RF, SB, SF

@@ -1,9 +1,9 @@
 """Stage takeover as a plan transform: the failed pipeline runs one stage fewer, its neighbour
 holding the lost layers; the other pipelines and every micro-batch assignment are unchanged."""
 
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.strategies.reroute import reroute
-from chameleon_ext.strategies.takeover import takeover
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.strategies.reroute import reroute
+from chameleon_ext.planning.strategies.takeover import takeover
 
 
 def layers(plan: ExecutionPlan) -> list[list[tuple[int, int, list[int]]]]:

@@ -4,7 +4,7 @@ Pipeline 2 x data 2 (4 layers, hidden 64) under chameleon-launch, failure-free, 
 --chameleon-redundancy none and eager, in one run: median iteration time of each and their
 ratio; the largest holder's shadow copies (measured buffers) and the refresh time per iteration
 (the shadow-sync timer, slowest rank), beside the performance model's estimate
-(chameleon_ext.strategies.redundancy.eager_cost with the profile the eager job calibrated: its
+(chameleon_ext.planning.strategies.redundancy.eager_cost with the profile the eager job calibrated: its
 point-to-point model alone, and with the refresh factor calibration fitted).
 
     python tools/bench/eager_redundancy.py [--iters 30]
@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from chameleon_ext.perf_model import Profile  # noqa: E402
-from chameleon_ext.plan import ExecutionPlan  # noqa: E402
-from chameleon_ext.strategies.redundancy import eager_cost  # noqa: E402
+from chameleon_ext.plan.execution_plan import ExecutionPlan  # noqa: E402
+from chameleon_ext.planning.perf_model import Profile  # noqa: E402
+from chameleon_ext.planning.strategies.redundancy import eager_cost  # noqa: E402
 from megatron.training.builtin_data import ensure_builtin_dataset  # noqa: E402
 from tests.launch import SMALL_MODEL, run_chameleon  # noqa: E402
 

@@ -5,11 +5,11 @@
     as K separate isend/irecv or as one packed message per peer (pack on the sender, unpack, i.e.
     views, on the receiver). A step's time is the slowest rank's, from a barrier to the end of
     its last wait. Variants alternate round by round; medians over all steps.
-(b) pack and scale_accumulate (chameleon_ext.comm, whichever backend it uses) against the torch
+(b) pack and scale_accumulate (chameleon_ext.comm.packed, whichever backend it uses) against the torch
     ops a caller would write otherwise: torch.cat of flattened views, and a loop of
     dst.add_(src, alpha) (src.float() for a bf16 source). Alternating repetitions; medians.
 (c) The messages per iteration of the schedules the executor runs after a loss, with and without
-    the fused messages chameleon_ext.message_fusion chose.
+    the fused messages chameleon_ext.schedule.message_fusion chose.
 
     python tools/bench/fused_comm.py [--rounds 10] [--steps 20] [--reps 21] [--k 8] [--peers 2 4]
 """
@@ -31,13 +31,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from chameleon_ext import comm  # noqa: E402
-from chameleon_ext.message_fusion import message_count  # noqa: E402
-from chameleon_ext.plan import ExecutionPlan  # noqa: E402
-from chameleon_ext.schedule_ir import Schedule  # noqa: E402
-from chameleon_ext.simulator import UniformCosts, simulate  # noqa: E402
-from chameleon_ext.strategies.reroute import reroute  # noqa: E402
-from chameleon_ext.schedule_choice import choose_schedule  # noqa: E402
+from chameleon_ext.comm import packed as comm  # noqa: E402
+from chameleon_ext.plan.execution_plan import ExecutionPlan  # noqa: E402
+from chameleon_ext.planning.strategies.reroute import reroute  # noqa: E402
+from chameleon_ext.schedule.choice import choose_schedule  # noqa: E402
+from chameleon_ext.schedule.ir import Schedule  # noqa: E402
+from chameleon_ext.schedule.message_fusion import message_count  # noqa: E402
+from chameleon_ext.schedule.simulator import UniformCosts, simulate  # noqa: E402
 
 
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", type=int, nargs="+", default=[2, 4], help="peers of rank 0 in (a)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
-    print(f"chameleon_ext.comm backend: {comm.backend()}"
+    print(f"chameleon_ext.comm.packed backend: {comm.backend()}"
           + (f" (cpu loops: {comm._C.cpu_variant()})" if comm._C is not None else
              f" ({comm._EXT_REASON})") + f"; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads in (b)", flush=True)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from chameleon_ext.perf_model import ModelShape, analytical_profile  # noqa: E402
-from chameleon_ext.plan import ExecutionPlan  # noqa: E402
-from chameleon_ext.planner import STRATEGIES, Situation, candidates, choose  # noqa: E402
+from chameleon_ext.plan.execution_plan import ExecutionPlan  # noqa: E402
+from chameleon_ext.planning.perf_model import ModelShape, analytical_profile  # noqa: E402
+from chameleon_ext.planning.planner import STRATEGIES, Situation, candidates, choose  # noqa: E402
 
 # (GPUs, tensor parallel, pipeline parallel, global batch in sequences, model)
 CLUSTERS = {

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from chameleon_ext.perf_model import Profile, predict_plan  # noqa: E402
-from chameleon_ext.plan import ExecutionPlan  # noqa: E402
-from chameleon_ext.planner import replan  # noqa: E402
+from chameleon_ext.plan.execution_plan import ExecutionPlan  # noqa: E402
+from chameleon_ext.planning.perf_model import Profile, predict_plan  # noqa: E402
+from chameleon_ext.planning.planner import replan  # noqa: E402
 from megatron.elastic.emulation import emulated_profile  # noqa: E402
 from megatron.training.builtin_data import ensure_builtin_dataset  # noqa: E402
 from tests.launch import SMALL_MODEL, run_chameleon  # noqa: E402

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 
-from chameleon_ext import membership as mb  # noqa: E402
+from chameleon_ext.control import membership as mb  # noqa: E402
 from tests.etcd_cluster import EtcdCluster  # noqa: E402
 
 KEYS = [f"k{i}" for i in range(16)]

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
-from chameleon_ext import comm
+from chameleon_ext.comm import packed as comm
 from tools.bench import fused_comm, plan_search
 
 
@@ -41,7 +41,7 @@ class GlooStep:
     payload: str
     separate_ms: float                 # K isend/irecv per peer
     packed_torch_ms: float             # one message per peer, packed by torch ops
-    packed_ext_ms: float               # one message per peer, packed by chameleon_ext._C
+    packed_ext_ms: float               # one message per peer, packed by chameleon_ext.comm._C
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def kernels(reps: int) -> list[Kernel]:
 
 
 def extension() -> str:
-    """Which backend chameleon_ext.comm uses, and why when it is not the compiled one."""
+    """Which backend chameleon_ext.comm.packed uses, and why when it is not the compiled one."""
     if comm._C is not None:
-        return f"{comm.backend()} (chameleon_ext._C, cpu loops: {comm._C.cpu_variant()})"
+        return f"{comm.backend()} (chameleon_ext.comm._C, cpu loops: {comm._C.cpu_variant()})"
     return f"{comm.backend()} ({comm._EXT_REASON})"

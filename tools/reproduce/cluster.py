@@ -16,9 +16,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from chameleon_ext.perf_model import ModelShape, Profile, analytical_profile, predict_plan
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.planner import STRATEGIES, Candidate, Situation, candidates, choose, replan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import ModelShape, Profile, analytical_profile, predict_plan
+from chameleon_ext.planning.planner import STRATEGIES, Candidate, Situation, candidates, choose, replan
 from tools.bench.plan_search import CLUSTERS
 
 GPUS = 32

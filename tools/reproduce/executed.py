@@ -35,9 +35,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chameleon_ext.perf_model import ModelShape, Profile, analytical_profile, predict_plan
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.planner import replan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import ModelShape, Profile, analytical_profile, predict_plan
+from chameleon_ext.planning.planner import replan
 from megatron.elastic.emulation import STORAGE_MIB_PER_S, emulated_profile
 from tests.launch import SMALL_MODEL, last_losses, run_chameleon
 from tools.reproduce import simulate, traces

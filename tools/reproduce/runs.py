@@ -83,7 +83,7 @@ def run_one(schedule: Schedule, label: str, data: str, workdir: Path) -> CpuRun:
     if run.returncode != 0:
         last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RunError(f"the {label} CPU run exited with {run.returncode}: {last}")
-    command = shlex.join(["python", "-m", "chameleon_ext.launcher", "--nproc-per-node",
+    command = shlex.join(["python", "-m", "chameleon_ext.control.launcher", "--nproc-per-node",
                           str(WORLD), "pretrain_gpt.py", *args,
                           "--chameleon-metrics-file", str(workdir / f"{name}.jsonl")])
     return CpuRun(label, command, run.metrics)

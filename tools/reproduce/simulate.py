@@ -29,10 +29,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from chameleon_ext.perf_model import MIB, Profile, stage_params, switch_ms
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.planner import STRATEGIES, Candidate, Situation, Switch, candidates, choose
-from chameleon_ext.strategies.redundancy import eager_cost
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import MIB, Profile, stage_params, switch_ms
+from chameleon_ext.planning.planner import STRATEGIES, Candidate, Situation, Switch, candidates, choose
+from chameleon_ext.planning.strategies.redundancy import eager_cost
 from tools.reproduce.cluster import Setup
 from tools.reproduce.traces import Trace
 

@@ -14,9 +14,9 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from chameleon_ext import comm
-from chameleon_ext.perf_model import Profile, predict_plan
-from chameleon_ext.strategies.redundancy import eager_cost
+from chameleon_ext.comm import packed as comm
+from chameleon_ext.planning.perf_model import Profile, predict_plan
+from chameleon_ext.planning.strategies.redundancy import eager_cost
 from tools.reproduce import benches, cluster, executed, plots, runs, simulate, traces
 from tools.reproduce.report import Section, Table
 
@@ -191,7 +191,7 @@ def post_recovery(ctx: Context) -> Section:
     first = setups[0]
     return Section(
         1, "Post-recovery throughput, 32 GPUs", ctx.options.command,
-        _profile_text(first.profile) + ", from `chameleon_ext.perf_model.analytical_profile"
+        _profile_text(first.profile) + ", from `chameleon_ext.planning.perf_model.analytical_profile"
         f"(shape, \"{cluster.DEVICE}\")`: **analytical**, not measured",
         f"GPT models on {cluster.GPUS} {cluster.DEVICE} GPUs "
         f"({cluster.GPUS // cluster.GPUS_PER_NODE} nodes x {cluster.GPUS_PER_NODE}), sequence 2048, global batch "
@@ -634,7 +634,7 @@ def fused_comm(ctx: Context) -> Section:
         "gloo: rank 0 sends K micro-batch activations to each of P peers, as K separate "
         "messages or one packed message per peer, packed by the torch fallback or by the "
         "compiled kernels; the slowest rank's median step time. (b) The kernels against the "
-        f"torch ops a caller would write otherwise (median per call). chameleon_ext.comm "
+        f"torch ops a caller would write otherwise (median per call). chameleon_ext.comm.packed "
         f"backend: {benches.extension()}.",
         [Table("table6_gloo", [("peers", ""), ("payload per peer", ""),
                                ("separate messages ms", ms), ("packed, torch ms", ms),

@@ -3,11 +3,11 @@ executes it, and the planner, which predicts it: the same op lists in both)."""
 
 from __future__ import annotations
 
-from chameleon_ext.list_scheduler import timed_list_schedule, whole_backward_bound
-from chameleon_ext.message_fusion import fuse_messages
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import Schedule, one_f_one_b
-from chameleon_ext.simulator import UniformCosts, check, simulate
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.schedule.ir import Schedule, one_f_one_b
+from chameleon_ext.schedule.list_scheduler import timed_list_schedule, whole_backward_bound
+from chameleon_ext.schedule.message_fusion import fuse_messages
+from chameleon_ext.schedule.simulator import UniformCosts, check, simulate
 
 
 def choose_schedule(plan: ExecutionPlan, fuse: bool = True, checked: bool = True) -> Schedule:

@@ -9,11 +9,11 @@ the same micro-batch and direction has been posted. Each (micro-batch, direction
 message tag, so several messages between two ranks in one step can never be confused.
 
 A schedule may fuse sends: a FusedMessage names several sends of one rank to one peer that travel
-as one packed message (chameleon_ext.comm). It is posted when its last member (in the sender's
+as one packed message (chameleon_ext.comm.packed). It is posted when its last member (in the sender's
 order) is reached, carries every member, and is tagged with its first member's tag; the receiver
 takes it at the first member's receive, and the later members' receives take their tensor from it.
 Rerouting sends many small tensors to few peers; fusing them saves per-message latency
-(chameleon_ext.message_fusion decides which, by simulation).
+(chameleon_ext.schedule.message_fusion decides which, by simulation).
 
 A backward is either one BWD op or split in two: BWD_INPUT (the gradient of the stage's input,
 which the previous stage waits for) and, later on the same rank, BWD_WEIGHT (the gradients of the
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
 
 
 class OpKind(str, Enum):

@@ -1,6 +1,6 @@
 """Candidate plans after a failure, their predicted costs, and the choice among them.
 
-Every available strategy proposes its plan over the survivors (chameleon_ext.strategies): reroute
+Every available strategy proposes its plan over the survivors (chameleon_ext.planning.strategies): reroute
 (the lost stage's micro-batches to its replicas), takeover (a neighbour stage of the failed
 pipeline absorbs the lost layers, fetched with their optimizer state from a replica),
 reparallelize (pipelines of different depths over every survivor, the micro-batches split by
@@ -9,7 +9,7 @@ homogeneous plan over the survivors predicted fastest, among every pipeline dept
 layers split by a dynamic program over contiguous layer ranges so that the stages' predicted
 costs are balanced) and the hybrid reroute+restart (reroute now, and at the next periodic
 checkpoint save restart from that fresh checkpoint onto the re-planned layout). Each plan is
-predicted with the performance model (chameleon_ext.perf_model.predict_plan: the simulator over
+predicted with the performance model (chameleon_ext.planning.perf_model.predict_plan: the simulator over
 the schedule the executor would run, on the fewest pipelines that determine it exactly) and
 costed as
 
@@ -39,13 +39,13 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from chameleon_ext.perf_model import (MIB, Prediction, Profile, predict_plan, stage_param_count,
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import (MIB, Prediction, Profile, predict_plan, stage_param_count,
                                       switch_ms, transition_ms)
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_choice import choose_schedule
-from chameleon_ext.schedule_ir import Schedule
-from chameleon_ext.strategies import REGISTRY, Context
-from chameleon_ext.strategies.redundancy import eager_cost
+from chameleon_ext.planning.strategies import REGISTRY, Context
+from chameleon_ext.planning.strategies.redundancy import eager_cost
+from chameleon_ext.schedule.choice import choose_schedule
+from chameleon_ext.schedule.ir import Schedule
 
 STRATEGIES = (*REGISTRY, "reroute+restart")
 

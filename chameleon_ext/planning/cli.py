@@ -19,11 +19,11 @@ import json
 import sys
 import time
 
-from chameleon_ext.perf_model import DEVICES, ModelShape, Profile, ProfileError, \
+from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
+from chameleon_ext.planning.perf_model import DEVICES, ModelShape, Profile, ProfileError, \
     analytical_profile, predict
-from chameleon_ext.plan import ExecutionPlan, PlanError
-from chameleon_ext.planner import STRATEGIES, Situation, candidates, choose
-from chameleon_ext.schedule_choice import choose_schedule
+from chameleon_ext.planning.planner import STRATEGIES, Situation, candidates, choose
+from chameleon_ext.schedule.choice import choose_schedule
 
 
 class UsageError(ValueError):

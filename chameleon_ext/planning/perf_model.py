@@ -29,10 +29,10 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ext.schedule_choice import choose_schedule
-from chameleon_ext.schedule_ir import COMPUTE, Op, OpKind, Schedule
-from chameleon_ext.simulator import SimResult, reduction_components, simulate
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.schedule.choice import choose_schedule
+from chameleon_ext.schedule.ir import COMPUTE, Op, OpKind, Schedule
+from chameleon_ext.schedule.simulator import SimResult, reduction_components, simulate
 
 SOURCES = ("measured", "offline", "analytical")
 SHARING_ROUNDS = 20

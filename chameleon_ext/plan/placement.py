@@ -17,7 +17,7 @@ A placement only renames ranks: the pipelines, their layer ranges and their micr
 of ExecutionPlan.failure_free, so the losses are those of any other layout.
 
 The node of each rank comes from the launcher's records on the store (``chameleon/worker/{rank}``
-holds "node"; ``nodes_from_store``).
+holds "node"; ``chameleon_ext.control.membership.nodes_from_store``).
 
 A restart after a failure builds a fresh homogeneous plan in Megatron's order over fewer ranks;
 ``spread_over`` chooses which survivors take it (as many nodes as possible, as evenly as
@@ -26,34 +26,13 @@ possible) and places it the same way. The other strategies keep every survivor i
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from datetime import timedelta
 from typing import Literal
 
-from chameleon_ext import membership
-from chameleon_ext.plan import ExecutionPlan, PlanError
+from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
 
 PlacementKind = Literal["spread", "megatron"]
 PLACEMENTS: tuple[PlacementKind, ...] = ("spread", "megatron")
-
-
-def nodes_from_store(store, ranks: int | list[int], timeout_s: float = 60.0) -> dict[int, int]:
-    """rank -> node for `ranks` (a list of launch ranks, or a world size: ranks 0..n-1), from
-    the launcher's worker records.
-
-    Each agent publishes its workers' records as it starts them, so a worker may ask before
-    another node's agent has started: this waits up to `timeout_s` (the first rendezvous would
-    wait for that node as long), then raises PlanError naming the ranks still unknown."""
-    ranks = list(range(ranks)) if isinstance(ranks, int) else list(ranks)
-    keys = [membership.key_worker(r) for r in ranks]
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except RuntimeError:     # DistStoreError: some never appeared
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-        raise PlanError(f"ranks {missing} have no worker record on the store after "
-                        f"{timeout_s:g} s: their nodes are unknown") from None
-    return {r: int(json.loads(v)["node"]) for r, v in zip(ranks, store.multi_get(keys))}
 
 
 def place(kind: PlacementKind, nodes: dict[int, int], tensor_parallel: int,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ext.strategies.base import Context, Proposal
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.planning.strategies.base import Context, Proposal
 
 
 def reroute(plan: ExecutionPlan, failed: set[int] | list[int],

@@ -3,7 +3,7 @@ of more than one strategy (layer balancing, the state a new plan moves).
 
 A strategy turns a plan and its lost ranks into a plan over the survivors (`propose`). The
 planner predicts every strategy's proposal under `auto`; a forced --chameleon-strategy takes
-its strategy's proposal; both find it in `chameleon_ext.strategies.REGISTRY`. With a calibrated
+its strategy's proposal; both find it in `chameleon_ext.planning.strategies.REGISTRY`. With a calibrated
 profile a strategy may search (reparallelize's mixes of depths, restart's layouts) and return
 the prediction it made on the way; without one (a failure before any calibration) it uses its
 rules of thumb (layers as the cost).
@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from chameleon_ext.perf_model import Prediction, Profile
-from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ext.strategies.redundancy import shadow_pairs
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.planning.perf_model import Prediction, Profile
+from chameleon_ext.planning.strategies.redundancy import shadow_pairs
 
 
 @dataclass(frozen=True)

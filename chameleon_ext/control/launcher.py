@@ -4,11 +4,11 @@
         --master-port PORT [--max-failures 4] [--heartbeat-timeout 5] \\
         [--store HOST:PORT | --store etcd://HOST:PORT[,HOST:PORT...][/NAMESPACE]] \\
         train.py --its --args
-    python -m chameleon_ext.launcher ...            (the same)
+    python -m chameleon_ext.control.launcher ...            (the same)
 
 One agent runs per node. The node-0 agent hosts the job's c10d TCPStore at master-addr:master-port
 unless --store names an external one: a TCPStore at HOST:PORT, or an etcd cluster
-(chameleon_ext.etcd_store), the one choice with which the job survives the loss of node 0 (a
+(chameleon_ext.control.etcd_store), the one choice with which the job survives the loss of node 0 (a
 TCPStore dies with the process that hosts it). Workers are started with
 torch.distributed.elastic.multiprocessing.start_processes (each in its own session, so its whole
 process group can be signalled); their environment:
@@ -79,7 +79,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from chameleon_ext import membership as mb
+from chameleon_ext.control import membership as mb
 
 PROG = "chameleon-launch"
 POLL_S = 0.05

@@ -1,12 +1,12 @@
 """The leader's choice at a reconfiguration: which plan the new world runs, and why.
 
 Only the agreement's leader decides; the others read its published `Verdict`. The planner
-(chameleon_ext.planner) ranks every strategy's candidate with the live profile under `auto`
+(chameleon_ext.planning.planner) ranks every strategy's candidate with the live profile under `auto`
 (and predicts `reparallelize`'s mixes and `reroute+restart`'s hybrid); a forced strategy
 takes its own plan where it absorbs the failure, else `restart`, and is still predicted when
 there is a profile, so the log shows predicted beside measured. Under the spread placement a
 restart's fresh plan is laid over the survivors' nodes the same way as the failure-free plan
-(chameleon_ext.placement.spread_over); every other strategy keeps each survivor in its place.
+(chameleon_ext.plan.placement.spread_over); every other strategy keeps each survivor in its place.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from chameleon_ext import planner
-from chameleon_ext.decision import Decision, Switch, Verdict
-from chameleon_ext.perf_model import Profile
-from chameleon_ext.placement import spread_over
-from chameleon_ext.plan import ExecutionPlan, PlanError
-from chameleon_ext.planner import Situation
-from chameleon_ext.strategies import REGISTRY, Context
-from chameleon_ext.strategies.base import state_survives
-from chameleon_ext.strategies.rejoin import overlay
+from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
+from chameleon_ext.plan.placement import spread_over
+from chameleon_ext.planning import planner
+from chameleon_ext.planning.decision import Decision, Switch, Verdict
+from chameleon_ext.planning.perf_model import Profile
+from chameleon_ext.planning.planner import Situation
+from chameleon_ext.planning.strategies import REGISTRY, Context
+from chameleon_ext.planning.strategies.base import state_survives
+from chameleon_ext.planning.strategies.rejoin import overlay
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Decider:
     planning: Planning | None = None
     target: ExecutionPlan | None = None  # the failure-free plan: where a rejoin goes back to
     placement: str = "megatron"         # --chameleon-placement
-    # launch ranks -> their nodes (placement.nodes_from_store over the job's store)
+    # launch ranks -> their nodes (membership.nodes_from_store over the job's store)
     nodes: Callable[[list[int]], dict[int, int]] | None = None
 
     def after_failure(self, plan: ExecutionPlan, launch_ranks: list[int], lost: set[int],

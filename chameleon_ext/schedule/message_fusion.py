@@ -1,7 +1,7 @@
 """Choose which sends of a schedule travel together as one packed message.
 
 A rank that hosts rerouted micro-batches sends many small tensors to few peers. Packing several
-sends to one peer into one message (chameleon_ext.comm) pays the per-message latency once, but a
+sends to one peer into one message (chameleon_ext.comm.packed) pays the per-message latency once, but a
 fused message leaves only when its last member is ready, which may hold up the receiver. The
 choice is made on the simulated timeline (schedule_ir: fused messages): for every (sender,
 receiver) pair, the sends are walked in the sender's order and the current message grows by the
@@ -12,9 +12,9 @@ exactly unchanged (and no deadlock can appear), and one simulation decides every
 
 from __future__ import annotations
 
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import RECV_OF, SENDS, FusedMessage, Op, Schedule
-from chameleon_ext.simulator import CostModel, simulate
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.schedule.ir import RECV_OF, SENDS, FusedMessage, Op, Schedule
+from chameleon_ext.schedule.simulator import CostModel, simulate
 
 
 def fuse_messages(plan: ExecutionPlan, schedule: Schedule, costs: CostModel) -> Schedule:

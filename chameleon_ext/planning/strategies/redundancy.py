@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chameleon_ext.perf_model import MIB, Profile, stage_params
-from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import MIB, Profile, stage_params
 
 SHADOW_BYTES_PER_PARAM = 12     # fp32 parameter and two Adam moments: no gradient is mirrored
 

@@ -13,7 +13,7 @@ API
     packed_nbytes(specs) -> int            size of pack() of tensors / (shape, dtype) pairs
     backend() -> "cuda" | "cpp" | "torch"  which implementation runs
 
-Implementations: the compiled extension ``chameleon_ext._C`` (csrc/; C++ always, CUDA kernels
+Implementations: the compiled extension ``chameleon_ext.comm._C`` (csrc/; C++ always, CUDA kernels
 where it was built with CUDA) when it imports and ``CHAMELEON_NO_EXT`` is not ``1``, else the pure
 torch code in this module. Both give the same bytes, the same values bit for bit and the same
 error messages (tests/unit/test_comm.py). Which one is used is logged once, at INFO level.
@@ -99,15 +99,15 @@ def _load_ext():
     if os.environ.get("CHAMELEON_NO_EXT", "") == "1":
         return None, "disabled by CHAMELEON_NO_EXT=1"
     try:
-        from chameleon_ext import _C  # noqa: PLC0415 (optional compiled module)
+        from chameleon_ext.comm import _C  # noqa: PLC0415 (optional compiled module)
     except ImportError as exc:
-        return None, f"chameleon_ext._C is not importable ({exc})"
+        return None, f"chameleon_ext.comm._C is not importable ({exc})"
     try:
         version = _C.format_version()
     except Exception as exc:  # a stale or foreign build
-        return None, f"chameleon_ext._C is unusable ({exc})"
+        return None, f"chameleon_ext.comm._C is unusable ({exc})"
     if version != VERSION:
-        return None, f"chameleon_ext._C writes format version {version}, this module {VERSION}"
+        return None, f"chameleon_ext.comm._C writes format version {version}, this module {VERSION}"
     return _C, ""
 
 
@@ -131,7 +131,7 @@ def _announce() -> None:
     if name == "torch":
         _log.info("packed comm backend: torch (pure-torch fallback: %s)", _EXT_REASON)
     else:
-        _log.info("packed comm backend: %s (chameleon_ext._C, cpu loops: %s)",
+        _log.info("packed comm backend: %s (chameleon_ext.comm._C, cpu loops: %s)",
                   name, _C.cpu_variant())
 
 

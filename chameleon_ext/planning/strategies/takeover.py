@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ext.strategies.base import Context, Proposal, moved_bytes
-from chameleon_ext.strategies.redundancy import holder_stage
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.planning.strategies.base import Context, Proposal, moved_bytes
+from chameleon_ext.planning.strategies.redundancy import holder_stage
 
 
 def takeover(plan: ExecutionPlan, failed: set[int] | list[int],

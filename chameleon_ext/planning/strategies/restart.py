@@ -10,10 +10,10 @@ into new groups. The tensor-parallel degree stays the plan's (no re-sharding of 
 
 from __future__ import annotations
 
-from chameleon_ext.perf_model import (MIB, Prediction, Profile, allreduce_ms, predict_plan,
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, PlanError, Stage
+from chameleon_ext.planning.perf_model import (MIB, Prediction, Profile, allreduce_ms, predict_plan,
                                       stage_param_count)
-from chameleon_ext.plan import ExecutionPlan, Pipeline, PlanError, Stage
-from chameleon_ext.strategies.base import (Context, Proposal, balanced_layers_by_depth,
+from chameleon_ext.planning.strategies.base import (Context, Proposal, balanced_layers_by_depth,
                                           with_layers)
 
 

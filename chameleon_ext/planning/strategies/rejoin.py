@@ -15,7 +15,7 @@ members placed in that one group leave the plan (spares for a later rejoin).
 
 from __future__ import annotations
 
-from chameleon_ext.plan import ExecutionPlan
+from chameleon_ext.plan.execution_plan import ExecutionPlan
 
 
 def overlay(target: ExecutionPlan, current: ExecutionPlan,

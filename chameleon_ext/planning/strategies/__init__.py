@@ -4,11 +4,11 @@ One protocol (`base.Strategy`) and one registry, which the planner (every strate
 predicted, under `auto`) and a forced --chameleon-strategy both use.
 """
 
-from chameleon_ext.strategies.base import Context, Proposal, Strategy
-from chameleon_ext.strategies.reparallelize import Reparallelize
-from chameleon_ext.strategies.reroute import Reroute
-from chameleon_ext.strategies.restart import Restart
-from chameleon_ext.strategies.takeover import Takeover
+from chameleon_ext.planning.strategies.base import Context, Proposal, Strategy
+from chameleon_ext.planning.strategies.reparallelize import Reparallelize
+from chameleon_ext.planning.strategies.reroute import Reroute
+from chameleon_ext.planning.strategies.restart import Restart
+from chameleon_ext.planning.strategies.takeover import Takeover
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in (Reroute(), Takeover(), Reparallelize(),
                                                      Restart())}

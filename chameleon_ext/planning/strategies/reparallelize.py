@@ -16,11 +16,11 @@ import dataclasses
 import heapq
 from typing import Callable, Sequence
 
-from chameleon_ext.perf_model import predict_plan
-from chameleon_ext.plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ext.strategies.base import (Context, Proposal, balanced_layers_by_depth,
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.planning.perf_model import predict_plan
+from chameleon_ext.planning.strategies.base import (Context, Proposal, balanced_layers_by_depth,
                                           moved_bytes, state_survives)
-from chameleon_ext.strategies.restart import replanned
+from chameleon_ext.planning.strategies.restart import replanned
 
 # (layers, first, last) -> forward + backward ms of one micro-batch on such a stage
 StageCost = Callable[[int, bool, bool], float]

@@ -33,8 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, NoReturn, Protocol, runtime_checkable
 
-from chameleon_ext.plan import ExecutionPlan
-from chameleon_ext.schedule_ir import Op, OpKind, Schedule
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.schedule.ir import Op, OpKind, Schedule
 
 __all__ = ["ScheduleError", "CostModel", "UniformCosts", "SimResult", "check", "simulate"]
 

@@ -37,9 +37,9 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from chameleon_ext.plan import ExecutionPlan, PlanError
-from chameleon_ext.schedule_ir import Op, OpKind, Schedule
-from chameleon_ext.simulator import CostModel
+from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
+from chameleon_ext.schedule.ir import Op, OpKind, Schedule
+from chameleon_ext.schedule.simulator import CostModel
 
 _Path = list[tuple[int, ...]]
 # One placed op of a unit: its compute op, its position on the path, and the send of its result

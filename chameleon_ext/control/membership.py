@@ -3,7 +3,7 @@
 Everything here talks to the job's store, never to a process group: a broken process group cannot
 be used to agree on how to replace it. The store is a TCPStore (hosted by the node-0
 ``chameleon-launch`` agent, or an external one at ``host:port``) or an etcd cluster
-(``etcd://host:port,host:port,.../namespace``, chameleon_ext.etcd_store), which survives the loss
+(``etcd://host:port,host:port,.../namespace``, chameleon_ext.control.etcd_store), which survives the loss
 of any one node, node 0 included. Workers and agents use the same functions.
 
 Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text or JSON)::
@@ -90,7 +90,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from chameleon_ext.etcd_store import EtcdStore
+from chameleon_ext.control.etcd_store import EtcdStore
 
 STORE_ENV = "CHAMELEON_STORE"
 HEARTBEAT_ENV = "CHAMELEON_HEARTBEAT_TIMEOUT"
@@ -992,3 +992,21 @@ def node_info(store: dist.Store, node: int) -> dict | None:
 def job_info(store: dist.Store) -> dict | None:
     k = key_job()
     return json.loads(store.get(k)) if store.check([k]) else None
+
+
+def nodes_from_store(store, ranks: int | list[int], timeout_s: float = 60.0) -> dict[int, int]:
+    """rank -> node for `ranks` (a list of launch ranks, or a world size: ranks 0..n-1), from
+    the launcher's worker records.
+
+    Each agent publishes its workers' records as it starts them, so a worker may ask before
+    another node's agent has started: this waits up to `timeout_s` (the first rendezvous would
+    wait for that node as long), then raises MembershipError naming the ranks still unknown."""
+    ranks = list(range(ranks)) if isinstance(ranks, int) else list(ranks)
+    keys = [key_worker(r) for r in ranks]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError:     # DistStoreError: some never appeared
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        raise MembershipError(f"ranks {missing} have no worker record on the store after "
+                        f"{timeout_s:g} s: their nodes are unknown") from None
+    return {r: int(json.loads(v)["node"]) for r, v in zip(ranks, store.multi_get(keys))}
