@@ -13,21 +13,23 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.training.config import JobConfig, ModelConfig
 from megatron.training.data import build_gpt_datasets
 from megatron.training.training import pretrain
 
 
-def model_provider(args, config, pre_process: bool, post_process: bool) -> GPTModel:
-    if args.transformer_impl == "transformer_engine":
+def model_provider(model: ModelConfig, config, pre_process: bool, post_process: bool,
+                   pg_collection: ProcessGroupCollection) -> GPTModel:
+    if model.transformer_impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(normalization=model.normalization)
     return GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type)
+        config=config, transformer_layer_spec=spec, vocab_size=model.padded_vocab_size,
+        max_sequence_length=model.max_position_embeddings, pre_process=pre_process,
+        post_process=post_process, share_embeddings_and_output_weights=model.tied_embeddings,
+        position_embedding_type=model.position_embedding_type, pg_collection=pg_collection)
 
 
 def forward_step(batch: dict | None, model) -> torch.Tensor:
@@ -45,14 +47,16 @@ def loss_func(batch: dict, output_tensor: torch.Tensor) -> torch.Tensor:
     return (output_tensor.float() * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def train_valid_test_datasets_provider(args, tokenizer):
-    gbs = args.global_batch_size
+def train_valid_test_datasets_provider(job: JobConfig, tokenizer):
+    data, training = job.data, job.training
+    gbs = training.global_batch_size
     return build_gpt_datasets(
-        data_path=args.data_path, mock_data=args.mock_data, split=args.split,
-        seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
-        train_samples=args.train_iters * gbs,
-        valid_samples=args.eval_iters * gbs if args.eval_interval else 0,  # the same batches each time
-        test_samples=0, data_cache_path=args.data_cache_path)
+        data_path=data.data_path, mock_data=data.mock_data, split=data.split,
+        seq_length=job.model.seq_length, seed=training.seed, tokenizer=tokenizer,
+        train_samples=training.train_iters * gbs,
+        # the same batches each time
+        valid_samples=training.eval_iters * gbs if training.eval_interval else 0,
+        test_samples=0, data_cache_path=data.cache_path)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,18 @@ import time
 from pathlib import Path
 
 try:
-    from chameleon_ext.control import membership as mb
+    from chameleon_ext.control.keys import STORE_ENV, key_dying
+    from chameleon_ext.control.membership import Membership
+    from chameleon_ext.control.store import (ETCD_SCHEME, MembershipError, check_store_spec,
+                                             connect_store, job_info, node_info,
+                                             parse_store_spec, worker_info)
 except ImportError:          # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from chameleon_ext.control import membership as mb
+    from chameleon_ext.control.keys import STORE_ENV, key_dying
+    from chameleon_ext.control.membership import Membership
+    from chameleon_ext.control.store import (ETCD_SCHEME, MembershipError, check_store_spec,
+                                             connect_store, job_info, node_info,
+                                             parse_store_spec, worker_info)
 
 PROG = "inject_failure.py"
 
@@ -112,7 +120,7 @@ def _alive(pid: int) -> bool:
 
 
 def worker(store, rank: int, world: int | None) -> dict:
-    info = mb.worker_info(store, rank)
+    info = worker_info(store, rank)
     if info is None:
         size = f" (world size {world})" if world else ""
         raise InputError(f"rank {rank} is not in the store{size}")
@@ -126,13 +134,13 @@ def await_iteration(store, rank: int, world: int | None, iteration: int, wait_s:
                     poll_s: float = 0.02) -> bool:
     """Wait until `rank`'s published progress is past `iteration`; False after `wait_s` or
     once the rank is no longer running."""
-    m = mb.Membership(store, None, world or 0)
+    m = Membership(store, None, world or 0)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        progress = m.progress_of([rank]).get(rank)
+        progress = m.heartbeat.progress_of([rank]).get(rank)
         if progress is not None and progress.iteration > iteration:
             return True
-        if rank in m.failures() or rank in m.exited():
+        if rank in m.failure_log.failures() or rank in m.failure_log.exited():
             return False
         time.sleep(poll_s)
     return False
@@ -176,7 +184,7 @@ def kill_node(store, node: int, record: dict, infos: list[dict]) -> bool:
     if killed:
         now = time.time()
         for info in infos:
-            store.set(mb.key_dying(int(info["rank"])), f"{now:.6f}")
+            store.set(key_dying(int(info["rank"])), f"{now:.6f}")
         os.kill(agent, signal.SIGKILL)
         log(f"sent SIGKILL to the agent of node {node} (pid {agent}) at {now:.3f}")
     else:
@@ -194,7 +202,7 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog=PROG, allow_abbrev=False,
                                 description="kill or stop workers of a chameleon-launch job")
-    p.add_argument("--store", default=os.environ.get(mb.STORE_ENV),
+    p.add_argument("--store", default=os.environ.get(STORE_ENV),
                    help="the job's store, host:port or etcd://host:port,... "
                         "(default: $CHAMELEON_STORE)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to reach the store")
@@ -220,20 +228,20 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except mb.MembershipError as e:
+    except MembershipError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
 
 
 def run(a: argparse.Namespace) -> int:
     if not a.store:
-        raise InputError(f"no store: pass --store HOST:PORT or set ${mb.STORE_ENV}")
+        raise InputError(f"no store: pass --store HOST:PORT or set ${STORE_ENV}")
     try:
-        mb.check_store_spec(a.store)
+        check_store_spec(a.store)
     except ValueError as e:
         raise InputError(str(e)) from None
-    if not a.store.startswith(mb.ETCD_SCHEME):
-        host, port = mb.parse_store_spec(a.store)
+    if not a.store.startswith(ETCD_SCHEME):
+        host, port = parse_store_spec(a.store)
         try:   # a plain TCP probe first: fails in one line, without c10d's retry noise
             socket.create_connection((host, port), timeout=a.timeout).close()
         except OSError as e:
@@ -250,8 +258,8 @@ def run(a: argparse.Namespace) -> int:
         raise InputError(f"--delay-ms {a.delay_ms}: must be a number >= 0")
     events = parse_trace(a.trace) if a.trace else None
     t_start = time.monotonic()
-    store = mb.connect_store(a.store, timeout_s=a.timeout)
-    job = mb.job_info(store)
+    store = connect_store(a.store, timeout_s=a.timeout)
+    job = job_info(store)
     world = int(job["world_size"]) if job else None
 
     def after_iteration(rank: int) -> bool:
@@ -273,7 +281,7 @@ def run(a: argparse.Namespace) -> int:
                                   else signal.SIGSTOP) else 1
 
     if a.node is not None:
-        node = mb.node_info(store, a.node)
+        node = node_info(store, a.node)
         if node is None:
             nn = f" (nodes: {job['nnodes']})" if job else ""
             raise InputError(f"node {a.node} is not in the store{nn}")

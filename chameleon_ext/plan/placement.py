@@ -17,7 +17,7 @@ A placement only renames ranks: the pipelines, their layer ranges and their micr
 of ExecutionPlan.failure_free, so the losses are those of any other layout.
 
 The node of each rank comes from the launcher's records on the store (``chameleon/worker/{rank}``
-holds "node"; ``chameleon_ext.control.membership.nodes_from_store``).
+holds "node"; ``chameleon_ext.control.store.nodes_from_store``).
 
 A restart after a failure builds a fresh homogeneous plan in Megatron's order over fewer ranks;
 ``spread_over`` chooses which survivors take it (as many nodes as possible, as evenly as

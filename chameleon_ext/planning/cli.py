@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
 from chameleon_ext.planning.perf_model import DEVICES, ModelShape, Profile, ProfileError, \
@@ -30,7 +31,34 @@ class UsageError(ValueError):
     pass
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+@dataclass(frozen=True)
+class Query:
+    """What the command line asks: a profile, the plan before the failure, the lost ranks."""
+
+    profile_file: str | None            # --profile, or else
+    device: str | None                  # --device, with the model's shape below
+    num_layers: int | None
+    hidden_size: int | None
+    num_attention_heads: int | None
+    seq_length: int | None
+    micro_batch_size: int | None
+    vocab_size: int | None
+    bf16: bool
+    plan_file: str | None               # --plan, or else the layout below
+    world_size: int | None
+    tensor_parallel: int
+    pipeline_parallel: int
+    global_batch_size: int | None       # in samples
+    fail: str                           # the lost ranks, comma-separated (checked on the plan)
+    iteration: int                      # the interrupted one
+    checkpoint_iteration: int
+    train_iters: int
+    mtbf_hours: float | None            # the planner's horizon
+    strategies: tuple[str, ...]
+    json: bool                          # machine-readable output
+
+
+def parse(argv: list[str] | None) -> Query:
     p = argparse.ArgumentParser(prog="chameleon-plan", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="a profile JSON (measured, offline or analytical)")
@@ -53,29 +81,39 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--mtbf", type=float, help="hours between failures (the horizon)")
     c.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    return Query(
+        profile_file=a.profile, device=a.device, num_layers=a.num_layers,
+        hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, vocab_size=a.vocab_size,
+        bf16=a.bf16, plan_file=a.plan, world_size=a.world_size,
+        tensor_parallel=a.tensor_parallel, pipeline_parallel=a.pipeline_parallel,
+        global_batch_size=a.global_batch_size, fail=a.fail, iteration=a.iteration,
+        checkpoint_iteration=a.checkpoint_iteration, train_iters=a.train_iters,
+        mtbf_hours=a.mtbf, strategies=tuple(s.strip() for s in a.strategies.split(",")),
+        json=a.json)
 
 
-def _profile(args) -> Profile:
-    if args.profile:
-        return Profile.load(args.profile)
+def _profile(q: Query) -> Profile:
+    if q.profile_file:
+        return Profile.load(q.profile_file)
     need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
             "vocab_size")
-    missing = [f"--{n.replace('_', '-')}" for n in need if getattr(args, n) is None]
+    missing = [f"--{n.replace('_', '-')}" for n in need if getattr(q, n) is None]
     if missing:
         raise UsageError(f"--device needs the model: {' '.join(missing)}")
-    shape = ModelShape(*(getattr(args, n) for n in need), bytes_per_element=2 if args.bf16 else 4)
-    return analytical_profile(shape, args.device)
+    shape = ModelShape(*(getattr(q, n) for n in need), bytes_per_element=2 if q.bf16 else 4)
+    return analytical_profile(shape, q.device)
 
 
-def _plan(args, profile: Profile) -> ExecutionPlan:
-    if args.plan:
-        return ExecutionPlan.load(args.plan)
-    if args.world_size is None or args.global_batch_size is None:
+def _plan(q: Query, profile: Profile) -> ExecutionPlan:
+    if q.plan_file:
+        return ExecutionPlan.load(q.plan_file)
+    if q.world_size is None or q.global_batch_size is None:
         raise UsageError("give --plan, or --world-size and --global-batch-size")
-    return ExecutionPlan.failure_free(args.world_size, args.tensor_parallel,
-                                      args.pipeline_parallel, profile.shape.num_layers,
-                                      profile.shape.micro_batch_size, args.global_batch_size)
+    return ExecutionPlan.failure_free(q.world_size, q.tensor_parallel, q.pipeline_parallel,
+                                      profile.shape.num_layers, profile.shape.micro_batch_size,
+                                      q.global_batch_size)
 
 
 def _lost(text: str, plan: ExecutionPlan) -> set[int]:
@@ -91,27 +129,26 @@ def _lost(text: str, plan: ExecutionPlan) -> set[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    q = parse(argv)
     try:
-        profile = _profile(args)
-        plan = _plan(args, profile)
-        lost = _lost(args.fail, plan)
-        strategies = tuple(s.strip() for s in args.strategies.split(","))
-        unknown = sorted(set(strategies) - set(STRATEGIES))
+        profile = _profile(q)
+        plan = _plan(q, profile)
+        lost = _lost(q.fail, plan)
+        unknown = sorted(set(q.strategies) - set(STRATEGIES))
         if unknown:
             raise UsageError(f"--strategies: unknown {', '.join(unknown)} "
                              f"(known: {', '.join(STRATEGIES)})")
         t0 = time.perf_counter()
         before = predict(plan, choose_schedule(plan, fuse=False), profile).iteration_ms
-        situation = Situation(args.iteration, args.checkpoint_iteration,
-                              args.train_iters - args.iteration + 1, args.mtbf, before)
-        ranked = candidates(plan, lost, profile, situation, strategies)
+        situation = Situation(q.iteration, q.checkpoint_iteration,
+                              q.train_iters - q.iteration + 1, q.mtbf_hours, before)
+        ranked = candidates(plan, lost, profile, situation, q.strategies)
         search_ms = (time.perf_counter() - t0) * 1e3
     except (ProfileError, PlanError, UsageError) as e:
         print(f"chameleon-plan: error: {e}", file=sys.stderr)
         return 2
     best = choose(ranked)
-    if args.json:
+    if q.json:
         print(json.dumps({"profile": {"source": profile.source, "device": profile.device},
                           "failure_free_iter_ms": round(before, 3), "search_ms": round(search_ms, 1),
                           "candidates": [c.summary() for c in ranked],

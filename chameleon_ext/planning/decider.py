@@ -41,7 +41,7 @@ class Decider:
     planning: Planning | None = None
     target: ExecutionPlan | None = None  # the failure-free plan: where a rejoin goes back to
     placement: str = "megatron"         # --chameleon-placement
-    # launch ranks -> their nodes (membership.nodes_from_store over the job's store)
+    # launch ranks -> their nodes (store.nodes_from_store over the job's store)
     nodes: Callable[[list[int]], dict[int, int]] | None = None
 
     def after_failure(self, plan: ExecutionPlan, launch_ranks: list[int], lost: set[int],

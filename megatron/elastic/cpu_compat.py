@@ -31,7 +31,7 @@ tensor_parallel.random                          the RNG tracker keeps CUDA gener
 
 ``LanguageModule.setup_embeddings_and_output_layer`` also calls ``.cuda()`` when a model is built
 with pipeline_model_parallel_size > 1 and tied embeddings; our stage models are built with a
-per-stage config of pipeline size 1 (megatron.elastic.model), so that path never runs.
+per-stage config of pipeline size 1 (megatron.elastic.stage_model), so that path never runs.
 """
 
 from __future__ import annotations

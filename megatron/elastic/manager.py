@@ -1,12 +1,13 @@
 """The elastic side of a training job under chameleon-launch (`--chameleon`): torchft's Manager
 for this stack.
 
-The training loop talks to it in two places. In a step: `before_op` (failure injection,
-progress, a peer's failure seen on the store) and `commit` (the step's vote: every rank
-applies the optimizer step of an iteration or none does). Between steps: `reconfigure`, the one
-reconfiguration transaction that a failure (in a step, a checkpoint save, an evaluation, the
-shutdown's reports), a hybrid's planned switch and an admission of rejoining ranks all go
-through:
+The training loop talks to it in two places. In a step, through the runtime's `StepHooks`
+(given when the runtime is built): `before_op` (failure injection, progress, a peer's failure
+seen on the store) and `commit` (the step's vote: every rank applies the optimizer step of an
+iteration or none does). Between steps: `notice` (an operation failed: the `Failure` to
+recover from) and `reconfigure`, the one reconfiguration transaction that a failure (in a
+step, a checkpoint save, an evaluation, the shutdown's reports), a hybrid's planned switch and
+an admission of rejoining ranks all go through:
 
     capture the state (the caller's) -> leave the world -> agree on the store on who is alive
     (and that everyone applied the same steps) -> the leader chooses the plan and publishes it
@@ -14,33 +15,61 @@ through:
     the state (the caller's `enter`: runtime, state transfer or checkpoint, first collective)
 
 A failure at any point of it abandons that generation: everyone agrees again one generation up,
-with whoever is left, as many times as needed. Every wait is bounded (`ElasticConfig`), and a
-survivor that the chosen plan leaves out stays a spare until the new world is committed (it
-joins a retry if there is one). The caller's state is captured once, before the first attempt,
-and entered afresh by every attempt.
+with whoever is left, as many times as needed. Every wait is bounded
+(megatron.elastic.config's `Timeouts`), and a survivor that the chosen plan leaves out stays a
+spare until the new world is committed (it joins a retry if there is one). The caller's state
+is captured once, before the first attempt, and entered afresh by every attempt.
+
+The failure path, file by file, in the one direction it runs:
+
+    megatron/elastic/schedules.py      an op raises (or `before_op` sees a peer's failure)
+    megatron/training/trainer.py       `notice` -> Failure; drain the step (`drained`); capture
+                                       the state; `reconfigure(trigger, plan, enter)`
+    megatron/elastic/manager.py        `_transact`: leave the world, agree, decide, rebuild
+    chameleon_ext/control/             the agreement (agreement.py), the published plan and the
+                                       barrier (generations.py), the new world's rendezvous
+                                       (world.py's `rebuild_world`)
+    chameleon_ext/planning/decider.py  the leader's Verdict (built here from the `Planning`
+                                       and the node lookup this manager is given)
+    megatron/training/trainer.py       `enter` (the one call back, typed `Enter`): the runtime
+                                       for the plan (megatron/elastic/runtime.py's `build`,
+                                       with this manager's `step_hooks`), state moved, the
+                                       first collective -> `Entered`
+
+The manager owns its state: the trainer tells it what happened (`applied_step`, `drained`,
+`trained`) and never writes its fields. A job without --chameleon runs `DisabledManager`, the
+same shape doing the plain thing: no hooks, no votes, a failure re-raised.
 """
 
 from __future__ import annotations
 
 import atexit
-import gc
+import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from chameleon_ext.control import membership
+from chameleon_ext.control.agreement import Agreement, AgreementTimeout, DivergedSteps
 from chameleon_ext.control.faults import Injector
+from chameleon_ext.control.generations import PublishTimeout
+from chameleon_ext.control.keys import JOIN_ENV, STORE_ENV
+from chameleon_ext.control.membership import Membership
+from chameleon_ext.control.poll import poll
+from chameleon_ext.control.store import (MembershipError, connect_store, generation_store,
+                                         nodes_from_store)
+from chameleon_ext.control.world import PeerLost, destroy_world, rebuild_world
 from chameleon_ext.plan.execution_plan import ExecutionPlan
-from chameleon_ext.planning.decider import Decider
+from chameleon_ext.planning.decider import Decider, Planning
 from chameleon_ext.planning.decision import Decision, Switch, Verdict
 from chameleon_ext.schedule.ir import Op, OpKind
 from megatron.elastic import parallel_state
+from megatron.elastic.config import ElasticConfig
+from megatron.elastic.schedules import StepHooks
 
 PHASE_OF = {OpKind.FWD: "forward", OpKind.BWD: "backward", OpKind.BWD_INPUT: "backward",
             OpKind.BWD_WEIGHT: "backward", OpKind.REDUCE_GRADS: "grad-reduce",
@@ -59,30 +88,6 @@ class PeerFailed(RuntimeError):
 
 class NotNeeded(RuntimeError):
     """The new plan has no place for this rank (a restart plan smaller than the survivors)."""
-
-
-@dataclass
-class ElasticConfig:
-    """The bounds of every wait (seconds), and the policies.
-
-    `agree_timeout_s` bounds each wait on the store of a reconfiguration (the agreement, the
-    leader's plan, the barrier before the new world, its rendezvous): a live survivor arrives
-    within the time its current collective takes to fail (`comm_timeout_s`) plus one recovery,
-    so 60 s leaves a loaded host an order of magnitude of slack. `comm_timeout_s` bounds every
-    operation of a world's groups (--chameleon-comm-timeout): a peer that stays silent longer
-    is taken as lost. `progress_timeout_s` is how long a rank may go without progress in a step
-    (an op, a phase of a save) while peers wait before its agent takes it for a hung rank
-    (--chameleon-progress-timeout; None: max(heartbeat timeout, 10 x the median iteration
-    measured so far)). `save_timeout_s` bounds the operations of a checkpoint save or load and
-    the progress of its phases: writing a shard may take far longer than any op."""
-
-    backend: str = "gloo"
-    strategy: str = "auto"
-    eager: bool = False
-    agree_timeout_s: float = 60.0
-    comm_timeout_s: float = 5.0
-    progress_timeout_s: float | None = None
-    save_timeout_s: float = 300.0
 
 
 @dataclass
@@ -125,6 +130,13 @@ class Entered:
     moved_bytes: int
 
 
+# enter(decision, rank, agreed): the caller builds its part of the decision's world (`rank`
+# in it; `agreed`: the last iteration every survivor applied, None for a joiner's world),
+# moves the state into it and ends with a collective over it. Called once per attempt; may
+# raise RuntimeError (a peer lost), after which it is called again in a later generation.
+Enter = Callable[[Decision, int, int | None], Entered]
+
+
 @dataclass
 class Transition:
     """A committed reconfiguration."""
@@ -146,17 +158,24 @@ class Transition:
 
 @dataclass
 class ElasticManager:
-    config: ElasticConfig
-    injector: Injector = field(default_factory=lambda: Injector([], 0))
-    decider: Decider = field(default_factory=Decider)
+    """The elastic side of one launch rank. It owns its state (membership, generation, the
+    applied step, the decider); the trainer tells it what happened and never writes it."""
+
+    enabled: ClassVar[bool] = True
+    config: ElasticConfig               # the job's elastic part: the strategy, every timeout
+    store: dist.Store                   # the job's store (connect_store)
+    injector: Injector
+    planning: Planning                  # what the leader predicts with
+    target: ExecutionPlan               # the failure-free plan: where a rejoin goes back to
+    backend: str                        # --distributed-backend of every world it builds
+    placement: str = "megatron"         # --chameleon-placement
 
     def __post_init__(self) -> None:
-        self.store = membership.connect_store()
-        self.members = membership.Membership.from_env(self.store)
+        self.members = Membership.from_env(self.store, self.config.timeouts.heartbeat_s)
         self.launch_rank = self.members.rank
         # A restarted worker (chameleon-launch --max-restarts) joins a running job: its world
         # is known once it is admitted.
-        self.joining = os.environ.get(membership.JOIN_ENV) == "1"
+        self.joining = os.environ.get(JOIN_ENV) == "1"
         self.alive = [] if self.joining else list(range(self.members.world_size))
         self.generation = 0
         self.applied = 0                # the last iteration whose step this rank applied
@@ -167,15 +186,39 @@ class ElasticManager:
         self._alive_lock = threading.Lock()  # no stale failure may flag the next generation
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.decider = Decider(self.config.strategy, self.config.eager, planning=self.planning,
+                               target=self.target, placement=self.placement, nodes=self._nodes)
+
+    def _nodes(self, ranks: list[int]) -> dict[int, int]:
+        # Every launch rank has its launcher's record before it starts: 5 s is ample.
+        return nodes_from_store(self.store, ranks, timeout_s=5.0)
 
     @classmethod
     def available(cls) -> bool:
-        return bool(os.environ.get(membership.STORE_ENV))
+        return bool(os.environ.get(STORE_ENV))
+
+    def initialize_world(self, timeout_s: float) -> int:
+        """Generation 0's world, on the job's store like every later one: its rendezvous gives
+        up as soon as a rank is lost (raises PeerLost) instead of after `timeout_s`. Returns
+        this rank's rank in it."""
+        return rebuild_world(
+            self.store, Agreement(0, list(range(self.members.world_size)), [], 0),
+            self.launch_rank, self.backend, timeout_s, members=self.members)
+
+    def bound_world_ops(self) -> None:
+        """From now on the world's own operations (loss sum, state transfer, commit) wait no
+        longer than any group's: a silent peer is a failure, not a slow start."""
+        parallel_state.bound_operations(dist.group.WORLD,
+                                        timedelta(seconds=self.config.timeouts.comm_s))
+
+    def step_hooks(self) -> StepHooks:
+        """The executor's calls into this manager, for every runtime it builds."""
+        return StepHooks(before_op=self.before_op, commit=self.commit, tick=self._tick_in_step)
 
     def start(self) -> None:
         """Heartbeats and progress on the store, and the failure watcher."""
-        self.members.start_heartbeat()
-        self.injector.announce = self.members.announce_death
+        self.members.heartbeat.start()
+        self.injector.announce = self.members.failure_log.announce_death
         self.tick(0, "start")
         self._watcher = threading.Thread(target=self._watch, name="chameleon-failure-watch",
                                          daemon=True)
@@ -189,10 +232,10 @@ class ElasticManager:
         """A rank busy computing would notice a peer's death only at its next communication
         with the dead one's group, possibly after the rest of the doomed iteration; the watcher
         (its own store connection) lets it stop at the next op instead."""
-        members = membership.Membership.from_env(membership.connect_store())
+        members = Membership.from_env(connect_store(), self.config.timeouts.heartbeat_s)
         while not self._stopping.wait(interval_s):
             try:
-                failed = members.failures()
+                failed = members.failure_log.failures()
             except (RuntimeError, OSError):  # the store is going away with the job
                 return
             with self._alive_lock:
@@ -202,19 +245,24 @@ class ElasticManager:
     # ---- in a step ---------------------------------------------------------------------------
     def progress_allowance(self, iteration_ms: list[float]) -> float:
         """How long a step's phase may go without progress while peers wait."""
-        if self.config.progress_timeout_s is not None:
-            return self.config.progress_timeout_s
+        timeouts = self.config.timeouts
+        if timeouts.progress_s is not None:
+            return timeouts.progress_s
         if len(iteration_ms) < 3:   # first iterations warm up: nothing typical measured yet
-            return max(self.members.heartbeat_timeout, 60.0)
+            return max(timeouts.heartbeat_s, 60.0)
         recent = sorted(iteration_ms[-10:])
-        return max(self.members.heartbeat_timeout, 10.0 * recent[len(recent) // 2] / 1e3)
+        return max(timeouts.heartbeat_s, 10.0 * recent[len(recent) // 2] / 1e3)
 
     def tick(self, iteration: int, phase: str, waiting: bool = False,
              allow_s: float | None = None) -> None:
-        self.members.tick(iteration, phase, waiting, allow_s)
+        self.members.heartbeat.tick(iteration, phase, waiting, allow_s)
+
+    def _tick_in_step(self, iteration: int, phase: str, waiting: bool) -> None:
+        """Progress inside an op of `iteration` (0-based, the executor's)."""
+        self.members.heartbeat.tick(iteration + 1, phase, waiting)
 
     def before_op(self, op: Op, iteration: int) -> None:
-        self.members.tick(iteration + 1, op.kind.value, op.kind in WAITING_OPS)
+        self.members.heartbeat.tick(iteration + 1, op.kind.value, op.kind in WAITING_OPS)
         phase = PHASE_OF.get(op.kind)
         if phase:
             self.injector.maybe_fire(iteration + 1, phase)
@@ -226,57 +274,67 @@ class ElasticManager:
         rank of this world applies it."""
         # A voter's loss aborts the vote at once (its record, or a peer's notice); the bound
         # only ends a silent stall, which its agent turns into a record well before it.
-        ok = self.members.commit(self.generation, iteration + 1, self.alive,
-                                 self.config.agree_timeout_s)
+        ok = self.members.step_vote.commit(self.generation, iteration + 1, self.alive,
+                                           self.config.timeouts.agree_s)
         self.injector.maybe_fire(iteration + 1, "commit")
         if ok and self.launch_rank == self.alive[0] and iteration > 0:
-            self.members.forget_commit(self.generation, iteration)
+            self.members.step_vote.forget_commit(self.generation, iteration)
         return ok
 
     def lost_ranks(self, wait_s: float = 1.0) -> set[int]:
         """Current ranks reported failed on the store, waiting up to `wait_s` for a first
         report (the agent writes one within milliseconds of an exit; a hang has none yet)."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            failed = self.members.failures()
-            lost = {i for i, r in enumerate(self.alive) if r in failed}
-            if lost or time.monotonic() >= deadline:
-                return lost
-            time.sleep(0.005)
+        def look() -> set[int] | None:
+            failed = self.members.failure_log.failures()
+            return {i for i, r in enumerate(self.alive) if r in failed} or None
 
-    def notice(self) -> float:
-        """Called the moment this rank sees its world break; returns the time (time.time())."""
+        return poll(look, wait_s, 0.005) or set()
+
+    def notice(self, error: RuntimeError, iteration: int, during: str = "step") -> Failure:
+        """Called the moment this rank sees its world break (`error`, during `iteration`,
+        1-based): the failure to recover from."""
         now = time.time()
-        self.members.notice(self.generation + 1, now)
-        return now
+        self.members.agreements.notice(self.generation + 1, now)
+        return Failure(iteration, now, _first_line(error), during)
+
+    def drained(self, sends: list) -> None:
+        """The placeholder sends of an interrupted step's drain: kept until their groups are
+        gone (a dropped gloo send is withdrawn before it is delivered)."""
+        self.placeholders = sends
+
+    def applied_step(self, iteration: int) -> None:
+        """This rank's state holds the step of `iteration` (a committed step, a checkpoint)."""
+        self.applied = iteration
+
+    def trained(self, iteration: int) -> None:
+        """The job trained its last iteration (once per job: by its lead): a late joiner is
+        sent away."""
+        self.members.admissions.mark_trained(iteration)
 
     # ---- the reconfiguration transaction -----------------------------------------------------
-    def reconfigure(self, trigger: Trigger, plan: ExecutionPlan,
-                    enter: Callable[[Decision, int, int | None], Entered]) -> Transition:
+    def reconfigure(self, trigger: Trigger, plan: ExecutionPlan, enter: Enter) -> Transition:
         """Move the job from `plan` (the committed world's) to the plan the leader chooses for
-        `trigger`, retrying one generation up whenever a rank is lost meanwhile. `enter(decision,
-        rank, agreed)` builds this rank's part of the new world (`agreed`: the last iteration
-        every survivor applied) and ends with a collective over it;
-        it is called once per attempt and may raise RuntimeError (a peer lost), after which it
-        is called again in a later generation. Raises Unrecoverable, NotNeeded (this rank
-        leaves: the committed plan has no place for it) or MembershipError."""
+        `trigger`, retrying one generation up whenever a rank is lost meanwhile; `enter` builds
+        this rank's part of each attempt's world (see `Enter`). Raises Unrecoverable, NotNeeded
+        (this rank leaves: the committed plan has no place for it) or MembershipError."""
         if isinstance(trigger, Failure):
-            first_notice = self.members.notice(self.generation + 1, trigger.noticed)
+            first_notice = self.members.agreements.notice(self.generation + 1, trigger.noticed)
             iteration = trigger.iteration
         else:
             first_notice = time.time()
             iteration = self.applied
         candidates = list(self.alive)
         if isinstance(trigger, Admission):
-            record = self.members.admission(self.admissions)
+            record = self.members.admissions.admission(self.admissions)
             candidates = sorted(set(candidates) | set(record["joiners"]))
             if self.launch_rank == min(self.alive):
                 for r in record["joiners"]:
-                    self.members.admit(r, self.generation + 1, candidates, self.admissions)
+                    self.members.admissions.admit(r, self.generation + 1, candidates,
+                                                  self.admissions)
             self.admissions += 1
             self.admitted.update(record["joiners"])
 
-        def decide(ag: membership.Agreement) -> Verdict:
+        def decide(ag: Agreement) -> Verdict:
             lost = {i for i, r in enumerate(self.alive) if r not in ag.alive}
             if isinstance(trigger, Admission):
                 return self.decider.for_admission(plan, self.alive, ag.alive, iteration,
@@ -288,11 +346,11 @@ class ElasticManager:
         return self._transact(self.generation + 1, candidates, decide, enter, iteration,
                               first_notice)
 
-    def join(self, enter: Callable[[Decision, int, int | None], Entered], timeout_s: float) -> Transition:
+    def join(self, enter: Enter, timeout_s: float) -> Transition:
         """A restarted or new rank: ask to join, wait for the admission, enter the world."""
-        self.members.request_join()
-        admit = self.members.admitted_to(timeout_s)
-        if admit is None and self.members.trained():
+        self.members.admissions.request_join()
+        admit = self.members.admissions.admitted_to(timeout_s)
+        if admit is None and self.members.admissions.trained():
             raise NotNeeded("the job trained its last iteration before this rank was admitted")
         if admit is None:
             raise Unrecoverable(f"launch rank {self.launch_rank} asked to join and was not "
@@ -302,7 +360,7 @@ class ElasticManager:
         self.admitted = set(admit["candidates"])
         self.applied = None  # nothing applied here yet: the stayers' steps are the truth
 
-        def decide(ag: membership.Agreement) -> Verdict:
+        def decide(ag: Agreement) -> Verdict:
             # A joiner leads only when every rank that stayed is gone: nobody holds the state.
             return Verdict(unrecoverable="every rank holding the model's state was lost while "
                                          "ranks were being admitted")
@@ -311,9 +369,8 @@ class ElasticManager:
                               time.time())
 
     def _transact(self, generation: int, candidates: list[int],
-                  decide: Callable[[membership.Agreement], Verdict],
-                  enter: Callable[[Decision, int, int | None], Entered], iteration: int,
-                  first_notice: float) -> Transition:
+                  decide: Callable[[Agreement], Verdict], enter: Enter,
+                  iteration: int, first_notice: float) -> Transition:
         causes: dict[int, str] = {}
         committed_alive, old_generation = list(self.alive), self.generation
         attempts = fruitless = 0
@@ -321,19 +378,21 @@ class ElasticManager:
             attempts += 1
             self._leave_world()
             self.tick(iteration, f"agreement of generation {generation}", waiting=True)
-            ag = self.members.agree(generation, candidates, self.config.agree_timeout_s,
-                                    iteration=self.applied)
+            ag = self.members.agreements.agree(generation, candidates,
+                                               self.config.timeouts.agree_s,
+                                               iteration=self.applied)
             causes.update(ag.causes)
             decision = self._verdict(ag, decide)
             if decision is None:            # the leader died before publishing: again, up one
-                generation, candidates = self.members.abandon(ag.generation), \
+                generation, candidates = self.members.generations.abandon(ag.generation), \
                     [r for r in ag.alive if r != ag.leader]
                 continue
             participants = decision.members or ag.alive[:decision.plan.world_size]
             if self.launch_rank not in participants:
                 # A spare: it leaves once the new world holds the state, or joins a retry.
                 self.tick(iteration, f"spare in generation {ag.generation}", waiting=True)
-                retry = self.members.outcome(ag.generation, self.config.agree_timeout_s)
+                retry = self.members.generations.outcome(ag.generation,
+                                                         self.config.timeouts.agree_s)
                 if retry is None:
                     raise NotNeeded(f"the {decision.strategy} plan uses {len(participants)} of "
                                     f"the survivors; launch rank {self.launch_rank} is not "
@@ -344,10 +403,10 @@ class ElasticManager:
                 entered, rank = self._enter(ag, participants, decision, enter, iteration)
             except Exception as e:
                 # Whatever ends this attempt here, the others must not wait for this rank.
-                generation = self.members.abandon(ag.generation)
-                if not isinstance(e, (RuntimeError, membership.MembershipError)) or \
-                        isinstance(e, (Unrecoverable, membership.DivergedSteps,
-                                       membership.AgreementTimeout)):
+                generation = self.members.generations.abandon(ag.generation)
+                if not isinstance(e, (RuntimeError, MembershipError)) or \
+                        isinstance(e, (Unrecoverable, DivergedSteps,
+                                       AgreementTimeout)):
                     raise
                 self._leave_world()
                 failed = self._failed_meanwhile(participants)
@@ -367,55 +426,55 @@ class ElasticManager:
                 continue
             break
         if rank == 0:
-            self.members.committed(ag.generation)
+            self.members.generations.committed(ag.generation)
         with self._alive_lock:
             self.generation, self.alive = ag.generation, participants
             self.peer_failed.clear()
         self.applied = entered.applied
         failed = [r for r in committed_alive if r not in ag.alive]
-        records = self.members.failures()
+        records = self.members.failure_log.failures()
         # From the death to its first sign anywhere: a survivor's failed op, or the record.
-        detect = [min(first_notice, records[r].time) - self.members.death_time(r, records[r])
+        death_time = self.members.failure_log.death_time
+        detect = [min(first_notice, records[r].time) - death_time(r, records[r])
                   for r in failed if r in records]
         return Transition(decision, rank, entered, failed,
                           {r: causes.get(r, "failed") for r in failed},
                           1e3 * max(detect) if detect else None, first_notice, old_generation,
                           attempts)
 
-    def _verdict(self, ag: membership.Agreement,
-                 decide: Callable[[membership.Agreement], Verdict]) -> Decision | None:
+    def _verdict(self, ag: Agreement,
+                 decide: Callable[[Agreement], Verdict]) -> Decision | None:
         """The leader decides and publishes; everyone returns the published decision (None
         when the leader was lost before publishing)."""
         if ag.leader == self.launch_rank:
-            self.members.publish(ag.generation, "plan", decide(ag).to_json())
+            self.members.generations.publish(ag.generation, "plan", decide(ag).to_json())
         try:
-            text = self.members.read(ag.generation, "plan", self.config.agree_timeout_s,
-                                     publisher=ag.leader)
-        except membership.PublishTimeout:
+            text = self.members.generations.read(ag.generation, "plan",
+                                                 self.config.timeouts.agree_s,
+                                                 publisher=ag.leader)
+        except PublishTimeout:
             return None
         verdict = Verdict.from_json(text)
         if verdict.decision is None:
             raise Unrecoverable(verdict.unrecoverable)
         return verdict.decision
 
-    def _enter(self, ag: membership.Agreement, participants: list[int], decision: Decision,
-               enter: Callable[[Decision, int, int | None], Entered], iteration: int
-               ) -> tuple[Entered, int]:
+    def _enter(self, ag: Agreement, participants: list[int], decision: Decision,
+               enter: Enter, iteration: int) -> tuple[Entered, int]:
         """Build the world of `participants` and enter `decision` in it (one attempt)."""
         self.injector.maybe_fire(iteration, "recovery")
         self.tick(iteration, f"barrier of generation {ag.generation}", waiting=True)
-        gone = self.members.ready(ag.generation, participants, self.config.agree_timeout_s)
+        gone = self.members.generations.ready(ag.generation, participants,
+                                              self.config.timeouts.agree_s)
         if gone:
-            raise membership.PeerLost(f"rank(s) {gone} lost before generation "
+            raise PeerLost(f"rank(s) {gone} lost before generation "
                                       f"{ag.generation}'s world was built")
-        world = membership.Agreement(ag.generation, participants, ag.failed, ag.leader,
+        world = Agreement(ag.generation, participants, ag.failed, ag.leader,
                                      ag.causes, ag.iteration)
         self.tick(iteration, f"rendezvous of generation {ag.generation}", waiting=True)
-        rank = membership.rebuild_world(self.store, world, self.launch_rank, self.config.backend,
-                                        self.config.agree_timeout_s, members=self.members)
-        # The world's own operations (loss sum, state transfer, commit) wait no longer than
-        # any group's; its rendezvous above had the reconfiguration's bound.
-        _set_pg_timeout(timedelta(seconds=self.config.comm_timeout_s), dist.group.WORLD)
+        rank = rebuild_world(self.store, world, self.launch_rank, self.backend,
+                             self.config.timeouts.rendezvous_s, members=self.members)
+        self.bound_world_ops()   # its rendezvous above had its own bound
         self.injector.maybe_fire(iteration, "rebuild")
         decision.plan.generation = ag.generation    # one generation count: the membership's
         self.tick(iteration, f"entering generation {ag.generation}", waiting=True)
@@ -425,23 +484,12 @@ class ElasticManager:
         """The ranks among `ranks` reported lost, waiting briefly for a first report (the
         agent writes one within milliseconds of a death; an abandoned attempt without one
         is tried again with the same ranks)."""
-        deadline = time.monotonic() + 1.0
-        while True:
-            failed = self.members.failures()
-            exits = set(self.members.exited())
-            lost = sorted(r for r in ranks if r in failed or r in exits)
-            if lost or time.monotonic() >= deadline:
-                return lost
-            time.sleep(0.01)
+        return poll(lambda: self.members.failure_log.gone(ranks) or None, 1.0, 0.01) or []
 
     def _leave_world(self) -> None:
         parallel_state.destroy()
-        if dist.is_initialized():
-            dist.destroy_process_group()
         self.placeholders = []
-        # Destroyed groups sit in reference cycles; only their collection closes the sockets,
-        # which is what makes peers still blocked on us fail now instead of at their timeout.
-        gc.collect()
+        destroy_world()
 
     # ---- rejoin ------------------------------------------------------------------------------
     def admission_due(self, iteration: int) -> bool:
@@ -450,10 +498,10 @@ class ElasticManager:
         iteration: every rank reaches that boundary only after that iteration's commit, which
         needs the leader's vote, cast after it wrote the record."""
         if self.launch_rank == min(self.alive):
-            self.members.schedule_admission(self.admissions, iteration + 1, self.alive,
-                                            self.admitted, self.decider.target.tensor_parallel
-                                            if self.decider.target else 1)
-        return self.members.admission_due(self.admissions, iteration)
+            self.members.admissions.schedule_admission(
+                self.admissions, iteration + 1, self.alive, self.admitted,
+                self.target.tensor_parallel)
+        return self.members.admissions.admission_due(self.admissions, iteration)
 
     def stop(self) -> None:
         """Stop the watcher and the heartbeats (idempotent)."""
@@ -462,7 +510,7 @@ class ElasticManager:
             # bounded by one poll of the store (its timeout, if the store is gone)
             self._watcher.join(timeout=5)
             self._watcher = None
-        self.members.stop()
+        self.members.heartbeat.stop()
 
     def leave(self) -> None:
         """This rank is done with the job (finished, or not needed): its groups go, while the
@@ -471,6 +519,70 @@ class ElasticManager:
             self._leave_world()
         finally:
             self.stop()
+
+
+@dataclass
+class DisabledManager:
+    """The manager of a job without --chameleon (torchtitan's `FTManager(None)`): the same calls
+    as ElasticManager's, each doing what a plain Megatron job does. Nothing runs beside the
+    loop, every step is applied, and a failure ends the job."""
+
+    enabled: ClassVar[bool] = False
+    joining: ClassVar[bool] = False
+    backend: str = "gloo"
+
+    def initialize_world(self, timeout_s: float) -> int:
+        """The world of $RANK and $WORLD_SIZE; its operations wait up to `timeout_s`."""
+        rank = int(os.environ.get("RANK", "0"))
+        # Under chameleon-launch the world meets on the job's store (env:// knows only a
+        # TCPStore; the store may be an etcd cluster).
+        store = None
+        if os.environ.get(STORE_ENV):
+            store = generation_store(connect_store(), 0)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(self.backend, rank=rank,
+                                world_size=int(os.environ.get("WORLD_SIZE", "1")), store=store,
+                                timeout=timedelta(seconds=timeout_s))
+        return rank
+
+    def bound_world_ops(self) -> None:
+        """The world's operations keep --distributed-timeout-minutes, as in Megatron."""
+
+    def step_hooks(self) -> StepHooks:
+        return StepHooks()
+
+    def start(self) -> None:
+        """No heartbeats, no watcher: nobody recovers this job."""
+
+    def progress_allowance(self, iteration_ms: list[float]) -> float:
+        return math.inf
+
+    def tick(self, iteration: int, phase: str, waiting: bool = False,
+             allow_s: float | None = None) -> None:
+        """Nobody watches a plain job's progress."""
+
+    def notice(self, error: RuntimeError, iteration: int, during: str = "step") -> Failure:
+        raise error
+
+    def applied_step(self, iteration: int) -> None:
+        """Nothing to agree on later."""
+
+    def trained(self, iteration: int) -> None:
+        """No joiner to send away."""
+
+    def admission_due(self, iteration: int) -> bool:
+        return False
+
+    def reconfigure(self, trigger: Trigger, plan: ExecutionPlan, enter: Enter) -> Transition:
+        raise Unrecoverable("a job without --chameleon does not reconfigure")
+
+    def leave(self) -> None:
+        """The job is done: every rank meets once more and the world goes, while the
+        interpreter is whole (gloo's threads joined at its teardown end in std::terminate)."""
+        dist.barrier()
+        destroy_world()
 
 
 def _first_line(e: BaseException) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from chameleon_ext.schedule.ir import Op
 from megatron.elastic import optimizer_step
@@ -22,7 +23,11 @@ class MegatronCoreExecutor(Executor):
         cfg = rt.module.config
         cfg.pipeline_dtype = rt.activation_dtype
         cfg.batch_p2p_sync = False  # a CUDA-only synchronize after batched p2p
-        self._forward_backward = get_forward_backward_func()
+        # the plan's groups, as the stage model was built on them (GPTModel keeps them)
+        self._groups = rt.module.pg_collection
+        self._p2p = P2PCommunicator(pp_group=self._groups.pp, config=cfg)
+        self._forward_backward = get_forward_backward_func(pp_size=self._groups.pp.size(),
+                                                           vp_size=None)
 
     def run(self, ops: list[Op], iteration: int) -> StepResult:
         rt = self.rt
@@ -52,7 +57,7 @@ class MegatronCoreExecutor(Executor):
         self._forward_backward(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[rt.model],
             num_microbatches=len(mbs), seq_length=seq, micro_batch_size=mbsize,
-            forward_only=False)
+            forward_only=False, p2p_communicator=self._p2p, pg_collection=self._groups)
         self._reduce_grads(None, iteration)
         # the same step as the IR executor's: prepare, commit, apply
         (loss, samples), norm = self._commit(iteration, optimizer_step.prepare(rt.optimizer))

@@ -9,7 +9,7 @@ has three parts, and only the middle one talks to other ranks:
    counts in the norm (`get_main_grads_for_grad_norm`: no shared copy, no tensor-parallel
    duplicate, so every parameter of the model counts once over the world).
 2. the commit (the executor's): one all-reduce over the world carries the norm parts with the
-   loss, then every rank votes on the store (membership.Membership.commit).
+   loss, then every rank votes on the store (chameleon_ext.control.step_vote.StepVote.commit).
 3. `apply`: local. Clip by the global norm and step (`step_with_ready_grads`).
 """
 

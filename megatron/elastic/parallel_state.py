@@ -1,11 +1,12 @@
-"""Process groups built from an ExecutionPlan, installed where megatron-core looks for them.
+"""Process groups built from an ExecutionPlan, passed to megatron-core.
 
 megatron-core's ``initialize_model_parallel`` only knows homogeneous grids. Here every group comes
 from the plan: tensor-parallel groups per stage, pipeline groups per pipeline, data-parallel groups
 over the ranks that hold exactly the same layers (plan.replicas), and the embedding group of each
-pipeline (its first and last stage, which share the tied word embeddings). The groups are then
-written into megatron-core's parallel_state globals, so its getters (ranks, sizes, first/last
-stage, groups) and the code that calls them answer for the plan.
+pipeline (its first and last stage, which share the tied word embeddings). megatron-core gets them
+as a ProcessGroupCollection (collection(): GPTModel, DistributedDataParallel,
+get_megatron_optimizer and the pipeline schedules take one); install() sets the few globals
+megatron-core 0.16.1 still reads with no way to be given them, each listed there with its reader.
 
 A misaligned plan (pipelines that split the layers at different points, plan.misaligned_stages)
 has no whole-stage replica groups: megatron-core's DDP gets this rank alone as its data-parallel
@@ -24,6 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core import parallel_state as mps
+from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
@@ -37,17 +39,10 @@ class RankGroups:
     pp: dist.ProcessGroup
     mp: dist.ProcessGroup
     dp: dist.ProcessGroup
-    dp_gloo: dist.ProcessGroup
     tp_dp: dist.ProcessGroup
     embd: dist.ProcessGroup | None
     pos_embd: dist.ProcessGroup | None
     single: dist.ProcessGroup
-    tp_ranks: list[int]
-    pp_ranks: list[int]
-    mp_ranks: list[int]
-    dp_ranks: list[int]
-    embd_ranks: list[int]
-    pos_embd_ranks: list[int]
     # One rank of each replica group counts its gradients in the global norm, so every layer
     # is counted exactly once in any plan.
     representative: bool
@@ -169,29 +164,31 @@ def _group_rank_lists(plan: ExecutionPlan) -> list[tuple[int, ...]]:
 RENDEZVOUS = timedelta(seconds=60)
 
 
+def bound_operations(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """Let `group`'s operations wait at most `timeout` from now on.
+
+    The one use of torch's private ``_set_pg_timeout``: a gloo group takes a single timeout
+    at creation, and it bounds both the group's rendezvous (every member connecting, which on a
+    loaded host can trail the first by seconds) and each of its operations (which must fail
+    within --chameleon-comm-timeout to start a recovery). The world is in the same position:
+    its rendezvous, and megatron-core's dataset builder's barrier on it, need Megatron's long
+    timeout, the training collectives on it the short one. torch 2.13 has no public way to
+    give the two different bounds (tests/dist/test_process_groups.py shows both needs)."""
+    _set_pg_timeout(timeout, group)
+
+
 def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None) -> RankGroups:
     """Create all groups of `plan` (collective over the current world) and return `rank`'s."""
     # A group's rendezvous waits for every member to create it; on a loaded host one may lag
     # the others by seconds, so the connect gets at least RENDEZVOUS, the operations `timeout`.
     connect = None if timeout is None else max(timeout, RENDEZVOUS)
-
-    def new_group(ranks, **kw) -> dist.ProcessGroup:
-        g = dist.new_group(list(ranks), timeout=connect, **kw)
-        if timeout is not None and rank in ranks:
-            _set_pg_timeout(timeout, g)
-        return g
-
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for ranks in _group_rank_lists(plan):
-        groups[ranks] = new_group(ranks)
+        g = dist.new_group(list(ranks), timeout=connect)
+        if timeout is not None and rank in ranks:
+            bound_operations(g, timeout)
+        groups[ranks] = g
     mine = _layout(plan, rank)
-    dp_gloo = groups[tuple(mine["dp"])]
-    if dist.get_backend() != "gloo":
-        for lr in sorted({tuple(_layout(plan, r)["dp"]) for r in plan.ranks}):
-            g = new_group(lr, backend="gloo")
-            if lr == tuple(mine["dp"]):
-                dp_gloo = g
-    first = plan.stage_of(rank).layer_start == 0
     embd = mine["embd"]
     misaligned = plan.misaligned_stages() is not None
     t = plan.position(rank).tp_rank
@@ -200,84 +197,53 @@ def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = Non
                    if rank in spec.ranks]
     return RankGroups(
         tp=groups[tuple(mine["tp"])], pp=groups[tuple(mine["pp"])], mp=groups[tuple(mine["mp"])],
-        dp=groups[tuple(mine["dp"])], dp_gloo=dp_gloo, tp_dp=groups[tuple(mine["tp_dp"])],
+        dp=groups[tuple(mine["dp"])], tp_dp=groups[tuple(mine["tp_dp"])],
         embd=groups[tuple(embd)] if len(embd) > 1 else None,
-        pos_embd=groups[(rank,)] if first else None,
+        pos_embd=groups[(rank,)] if plan.stage_of(rank).layer_start == 0 else None,
         single=groups[(rank,)],
-        tp_ranks=mine["tp"], pp_ranks=mine["pp"], mp_ranks=mine["mp"], dp_ranks=mine["dp"],
-        embd_ranks=embd, pos_embd_ranks=[rank] if first else [],
         representative=rank == mine["dp"][0],
         embedding_contributor=bool(embd) and embedding_contributor(plan, rank, embd),
         misaligned=misaligned, grad_groups=grad_groups,
     )
 
 
-def install(plan: ExecutionPlan, rank: int, g: RankGroups) -> None:
-    """Point megatron-core's parallel_state at the plan's groups for `rank`."""
+def collection(g: RankGroups) -> ProcessGroupCollection:
+    """`g` as megatron-core takes groups: GPTModel, DistributedDataParallel,
+    get_megatron_optimizer and the pipeline schedules read every group from it. A plan has no
+    context or expert parallelism: those groups are this rank alone, or the groups they
+    coincide with at size 1 (as megatron-core's own initialize_model_parallel makes them)."""
+    return ProcessGroupCollection(
+        tp=g.tp, pp=g.pp, mp=g.mp, embd=g.embd, pos_embd=g.pos_embd, cp=g.single, tp_cp=g.tp,
+        dp=g.dp, dp_cp=g.dp, intra_dp_cp=g.dp, tp_dp_cp=g.tp_dp, ep=g.single, expt_tp=g.tp,
+        tp_ep=g.tp, tp_ep_pp=g.mp, expt_dp=g.dp, intra_expt_dp=g.dp)
+
+
+def install(g: RankGroups) -> None:
+    """Set what megatron-core 0.16.1 reads from its parallel_state globals with no way to be
+    given it, on the code paths this runtime takes (tests/dist/test_process_groups.py fails
+    each path without its global):
+
+    - ``_TENSOR_MODEL_PARALLEL_GROUP``: the unfused cross entropy
+      (``tensor_parallel.vocab_parallel_cross_entropy``, which GPTModel's loss calls unless
+      cross_entropy_loss_fusion is on) all-reduces over ``get_tensor_model_parallel_group()``
+      and takes its vocabulary range from that group's rank and size;
+    - the global memory buffer (``_set_global_memory_buffer``): DotProductAttention's forward
+      takes its baddbmm input from ``get_global_memory_buffer()``, which asserts that
+      initialize_model_parallel made one.
+    """
     mps.destroy_model_parallel()
-    pos = plan.position(rank)
-    values = {
-        "_TENSOR_MODEL_PARALLEL_GROUP": g.tp,
-        "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": g.tp_ranks,
-        "_PIPELINE_MODEL_PARALLEL_GROUP": g.pp,
-        "_PIPELINE_GLOBAL_RANKS": g.pp_ranks,
-        "_MODEL_PARALLEL_GROUP": g.mp,
-        "_MODEL_PARALLEL_GLOBAL_RANKS": g.mp_ranks,
-        "_EMBEDDING_GROUP": g.embd,
-        "_EMBEDDING_GLOBAL_RANKS": g.embd_ranks,
-        "_POSITION_EMBEDDING_GROUP": g.pos_embd,
-        "_POSITION_EMBEDDING_GLOBAL_RANKS": g.pos_embd_ranks,
-        "_DATA_PARALLEL_GROUP": g.dp,
-        "_DATA_PARALLEL_GROUP_GLOO": g.dp_gloo,
-        "_DATA_PARALLEL_GLOBAL_RANKS": g.dp_ranks,
-        "_DATA_PARALLEL_GROUP_WITH_CP": g.dp,
-        "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g.dp_gloo,
-        "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": g.dp_ranks,
-        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": g.dp,
-        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": g.dp_gloo,
-        "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": g.dp,
-        "_TENSOR_AND_DATA_PARALLEL_GROUP": g.tp_dp,
-        "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": g.tp_dp,
-        "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": g.tp,
-        "_CONTEXT_PARALLEL_GROUP": g.single,
-        "_CONTEXT_PARALLEL_GLOBAL_RANKS": [rank],
-        "_EXPERT_MODEL_PARALLEL_GROUP": g.single,
-        "_EXPERT_MODEL_PARALLEL_RANKS": [rank],
-        "_EXPERT_TENSOR_PARALLEL_GROUP": g.tp,
-        "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": g.tp,
-        "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": g.mp,
-        "_EXPERT_DATA_PARALLEL_GROUP": g.dp,
-        "_EXPERT_DATA_PARALLEL_GROUP_GLOO": g.dp_gloo,
-        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": g.dp,
-        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": g.dp_gloo,
-        "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": plan.tensor_parallel,
-        "_MPU_TENSOR_MODEL_PARALLEL_RANK": pos.tp_rank,
-        "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": len(g.pp_ranks),
-        "_MPU_PIPELINE_MODEL_PARALLEL_RANK": g.pp_ranks.index(rank),
-        "_MPU_DATA_PARALLEL_WORLD_SIZE": len(g.dp_ranks),
-        "_MPU_DATA_PARALLEL_RANK": g.dp_ranks.index(rank),
-    }
-    for name, value in values.items():
-        if not hasattr(mps, name):
-            raise RuntimeError(f"megatron-core parallel_state has no {name}: version mismatch")
-        setattr(mps, name, value)
-    mps._set_global_memory_buffer()  # attention's scratch buffer, normally made by initialize
+    mps._TENSOR_MODEL_PARALLEL_GROUP = g.tp
+    mps._set_global_memory_buffer()
 
 
 def initialize(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None) -> RankGroups:
     """The plan's groups, whose operations wait at most `timeout`."""
     g = build_groups(plan, rank, timeout)
-    install(plan, rank, g)
+    install(g)
     return g
 
 
 def destroy() -> None:
-    """Forget the plan's groups (megatron-core's globals); the caller drops its own references.
-    destroy_model_parallel() leaves some globals set (megatron-core 0.16.1: the
-    _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP pair, which install() sets to the data-parallel
-    groups); a group still referenced keeps its sockets open and its peers blocked until their
-    timeout, so every group left is dropped too."""
+    """Forget what install() set in megatron-core's globals; the caller drops its own
+    references to the plan's groups."""
     mps.destroy_model_parallel()
-    for name, value in list(vars(mps).items()):
-        if isinstance(value, dist.ProcessGroup):
-            setattr(mps, name, None)

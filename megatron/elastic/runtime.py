@@ -13,6 +13,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
@@ -21,11 +22,13 @@ from chameleon_ext.schedule.choice import choose_schedule
 from chameleon_ext.schedule.ir import OpKind, Schedule, forward_only
 from megatron.elastic import grad_reduction, parallel_state, stage_model, state_transfer, wgrad
 from megatron.elastic.memory_meter import MemoryMeter
-from megatron.elastic.schedules import ComputeClock, Executor, StageRuntime
+from megatron.elastic.emulation import Emulation
+from megatron.elastic.schedules import ComputeClock, Executor, StageRuntime, StepHooks
 from megatron.elastic.shadows import Shadows
 
-# model_provider(config, pre_process, post_process) -> megatron-core GPTModel
-ModelProvider = Callable[[TransformerConfig, bool, bool], torch.nn.Module]
+# model_provider(config, pre_process, post_process, pg_collection) -> megatron-core GPTModel
+# built on the plan's groups (GPTModel's pg_collection=)
+ModelProvider = Callable[[TransformerConfig, bool, bool, ProcessGroupCollection], torch.nn.Module]
 
 
 @dataclass
@@ -71,6 +74,8 @@ class RuntimeSpec:
     compute_clock: ComputeClock | None = None
     eager: bool = False                # keep eager redundancy's shadow copies, where planned
     measure_memory: bool = False       # count the activations autograd keeps (memory_meter)
+    hooks: StepHooks = StepHooks()     # the executor's calls out (the elastic manager's)
+    emulation: Emulation | None = None  # each runtime's ops padded to its emulated device
 
 
 def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
@@ -90,7 +95,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     first, last = plan.is_first_stage(rank), plan.is_last_stage(rank)
 
     cfg = stage_model.stage_config(config, stage)
-    module = spec.model_provider(cfg, first, last)
+    pgs = parallel_state.collection(groups)
+    module = spec.model_provider(cfg, first, last, pgs)
     stage_model.init_parameters(
         module, seed=seed, layer_offset=stage.layer_start, pre_process=first,
         total_layers=plan.num_layers, init_std=config.init_method_std, tp_rank=pos.tp_rank,
@@ -116,8 +122,10 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     store = wgrad.install(module) if split else None
-    model = DistributedDataParallel(cfg, ddp_config, module)
-    optimizer = get_megatron_optimizer(spec.optimizer_config, [model])
+    model = DistributedDataParallel(cfg, ddp_config, module, pg_collection=pgs)
+    # megatron-core's gloo groups serve only the distributed optimizer, which is not used here
+    optimizer = get_megatron_optimizer(spec.optimizer_config, [model],
+                                       use_gloo_process_groups=False, pg_collection=pgs)
     sched = spec.sched
     gbs = plan.global_batch_size
     scheduler = OptimizerParamScheduler(
@@ -137,7 +145,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         embedding_contributor=groups.embedding_contributor,
         before_forward=seeder.at if seeder else None, timers=timers,
         compute_clock=spec.compute_clock, wgrad=store, grad_reduction=reduction,
-        clip_grad=spec.optimizer_config.clip_grad)
+        clip_grad=spec.optimizer_config.clip_grad, hooks=spec.hooks,
+        emulation=spec.emulation.device(plan, rank) if spec.emulation else None)
     if spec.measure_memory:
         rt.memory = MemoryMeter(module, first, last)
     pairs = redundancy.shadow_pairs(plan) if spec.eager else []

@@ -66,6 +66,30 @@ class ComputeClock:
         self.cpu_s[name] = self.cpu_s.get(name, 0.0) + seconds
 
 
+def _no_op(*_) -> None:
+    pass
+
+
+def _every_rank_applies(iteration: int) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What the executor calls besides its ops: the elastic manager's (failure injection,
+    progress, the commit vote) and a fault injector's. The defaults do nothing and commit
+    every step: a plain job's step, whose world all-reduce before the step is the commit."""
+
+    # (op, iteration): before each op; may raise to stop an iteration that cannot complete
+    before_op: Callable[[Op, int], None] = _no_op
+    # (iteration): the step's commit vote; True when every rank applies the step
+    commit: Callable[[int], bool] = _every_rank_applies
+    # (iteration, phase, waiting): progress inside an op (the commit's collective and vote)
+    tick: Callable[[int, str, bool], None] = _no_op
+    # (op, iteration, seconds it took), inside the op's timer: a slowed rank stretches its ops
+    after_op: Callable[[Op, int, float], None] = _no_op
+
+
 @dataclass
 class StageRuntime:
     """Everything one rank needs to run its ops under one plan."""
@@ -85,16 +109,8 @@ class StageRuntime:
     tied_weight: torch.nn.Parameter | None = None
     embedding_contributor: bool = True  # adds its tied-embedding gradient in its group
     before_forward: Callable[[int, int], None] | None = None  # (iteration, mb): dropout seeding
-    # (op, iteration): failure injection, progress, a peer's failure seen on the store
-    before_op: Callable[[Op, int], None] | None = None
-    # (iteration): the step's commit vote; True when every rank applies the step (None: the
-    # world's all-reduce before it is the commit, as without a store)
-    commit: Callable[[int], bool] | None = None
-    # (iteration, phase, waiting): progress inside an op (the commit's collective and vote)
-    tick: Callable[[int, str, bool], None] | None = None
+    hooks: StepHooks = field(default_factory=StepHooks)
     clip_grad: float = 0.0
-    # (op, iteration, seconds it took), inside the op's timer: a slowed rank stretches its ops
-    after_op: Callable[[Op, int, float], None] | None = None
     wgrad: WeightGradStore | None = None  # set when the schedule splits backwards
     timers: object | None = None
     # A misaligned plan's gradient all-reduces (per segment of layers, embeddings, final norm,
@@ -158,8 +174,7 @@ class Executor:
         totals = (float("nan"), 0)
         for self._position, op in enumerate(ops):
             self._started = False
-            if rt.before_op:
-                rt.before_op(op, iteration)
+            rt.hooks.before_op(op, iteration)
             self._started = True
             timer = rt.timers(TIMER_OF[op.kind], log_level=2) if rt.timers else None
             if op.kind is OpKind.OPT_STEP:
@@ -178,8 +193,7 @@ class Executor:
                     rt.compute_clock.add(TIMER_OF[op.kind], time.thread_time() - cpu_began)
                 if rt.emulation and op.kind in COMPUTE:
                     rt.emulation.computed(op, began)
-                if rt.after_op:
-                    rt.after_op(op, iteration, time.perf_counter() - began)
+                rt.hooks.after_op(op, iteration, time.perf_counter() - began)
             finally:  # a failed op must not leave its timer running into the re-run
                 if timer:
                     timer.stop()
@@ -196,8 +210,7 @@ class Executor:
             out = fn(*args)
             if rt.compute_clock:
                 rt.compute_clock.add(TIMER_OF[OpKind.OPT_STEP], time.thread_time() - cpu_began)
-            if rt.after_op:
-                rt.after_op(Op(OpKind.OPT_STEP), iteration, time.perf_counter() - began)
+            rt.hooks.after_op(Op(OpKind.OPT_STEP), iteration, time.perf_counter() - began)
             return out
         finally:
             if timer:
@@ -207,26 +220,22 @@ class Executor:
         """The step's commit point. One all-reduce over the world sums the last stages' losses,
         the ranks' parts of the squared gradient norm and the samples delivered: the
         iteration's last collective, after which no rank talks to another before it applies
-        the step. Then the vote (rt.commit): every rank applies the step iff all voted, so a
-        rank lost at any instant leaves the survivors all stepped or all not. Returns ((the
-        global mean loss, samples), the global gradient norm); raises StepAborted."""
+        the step. Then the vote (rt.hooks.commit): every rank applies the step iff all voted,
+        so a rank lost at any instant leaves the survivors all stepped or all not. Returns
+        ((the global mean loss, samples), the global gradient norm); raises StepAborted."""
         rt = self.rt
-        if rt.tick:
-            rt.tick(iteration, "commit collective", True)
+        rt.hooks.tick(iteration, "commit collective", True)
         mine = rt.last and rt.plan.position(rt.rank).tp_rank == 0
         t = torch.tensor([float(self._loss_sum) if mine else 0.0, norm_sq, float(self._samples)],
                          dtype=torch.float64, device=_device())
         self._wait_sends()
         dist.all_reduce(t)
         loss_sum, total_sq, samples = t.tolist()
-        if rt.commit is not None:
-            if rt.tick:
-                rt.tick(iteration, "commit vote", True)
-            if not rt.commit(iteration):
-                raise StepAborted(f"the step of iteration {iteration + 1} was not committed: a "
-                                  "rank did not vote")
-        if rt.tick:
-            rt.tick(iteration, "optimizer step", False)
+        rt.hooks.tick(iteration, "commit vote", True)
+        if not rt.hooks.commit(iteration):
+            raise StepAborted(f"the step of iteration {iteration + 1} was not committed: a "
+                              "rank did not vote")
+        rt.hooks.tick(iteration, "optimizer step", False)
         return (loss_sum / rt.plan.num_micro_batches, round(samples)), math.sqrt(total_sq)
 
     def _check_finished(self) -> None:

@@ -1,7 +1,9 @@
-"""Command-line arguments: Megatron-LM's flag names, plus the --chameleon-* group.
+"""Command-line arguments: Megatron-LM's flag names, plus the --chameleon-* group, turned once
+into the job's typed configuration (megatron.training.config.JobConfig).
 
-Every problem with the flags (including those that need the world size) is reported as one line
-on stderr with exit code 2, before any process group or file is touched.
+Every problem with the flags (including those that need the world size, and the relations
+between the timeouts) is reported as one line on stderr with exit code 2, before any process
+group or file is touched.
 """
 
 from __future__ import annotations
@@ -9,18 +11,23 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import sys
 from pathlib import Path
+from typing import get_args
 
-from chameleon_ext.control.faults import FaultSpecError, parse_inject
+from chameleon_ext.control.keys import DEFAULT_HEARTBEAT_TIMEOUT, HEARTBEAT_ENV
+from chameleon_ext.control.faults import FaultSpecError, parse_injects
 from chameleon_ext.planning.perf_model import Profile, ProfileError
+from megatron.elastic.config import (ConfigError, ElasticConfig, Executor, Redundancy, Strategy,
+                                     Timeouts)
 from megatron.elastic.emulation import STORAGE_MIB_PER_S
+from megatron.training.config import (Backend, CheckpointConfig, DataConfig, JobConfig,
+                                      LoggingConfig, LRDecayStyle, ModelConfig, Normalization,
+                                      ParallelConfig, Placement, PositionEmbedding,
+                                      TrainingConfig, TransformerImpl)
+from megatron.training.tokenizer import TOKENIZER_TYPES
 
-TOKENIZERS = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
-
-class ArgumentError(ValueError):
+class ArgumentError(ConfigError):
     """A bad flag or flag combination; main() turns it into one line and exit code 2."""
 
 
@@ -43,14 +50,14 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default: the sequence length")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+    g.add_argument("--position-embedding-type", choices=get_args(PositionEmbedding),
                    default="learned_absolute")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--normalization", choices=get_args(Normalization), default="LayerNorm")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
+    g.add_argument("--transformer-impl", choices=get_args(TransformerImpl), default=None,
                    help="default: transformer_engine where it is importable with CUDA, else local")
 
     g = p.add_argument_group("training")
@@ -65,7 +72,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g = p.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    g.add_argument("--lr-decay-style", choices=get_args(LRDecayStyle), default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -77,9 +84,11 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+    g.add_argument("--distributed-backend", choices=get_args(Backend), default=None,
                    help="default: nccl with CUDA, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long the job's start (its rendezvous, building the datasets) may "
+                        "wait for the slowest rank")
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -113,14 +122,12 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="JSON-lines events (iteration, failure, recovery)")
     g.add_argument("--chameleon-plan", default=None,
                    help="run this execution plan (JSON) instead of the homogeneous one")
-    g.add_argument("--chameleon-placement", choices=("spread", "megatron"), default=None,
+    g.add_argument("--chameleon-placement", choices=get_args(Placement), default=None,
                    help="which rank takes which place under chameleon-launch: spread (each "
                         "stage's replicas on different nodes; default with --chameleon) or "
                         "megatron (Megatron's rank order)")
     g.add_argument("--chameleon-strategy",
-                   choices=("auto", "reroute", "takeover", "reparallelize", "restart",
-                            "reroute+restart"),
-                   default="auto",
+                   choices=get_args(Strategy), default="auto",
                    help="recovery strategy (with --chameleon): auto (the candidate the "
                         "performance model, calibrated from this job's timers, predicts "
                         "cheapest over the horizon), reroute (ReCycle-style data rerouting; "
@@ -160,39 +167,118 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "its overruns, and is invalid above 1%%); start from (ranks / cores) x "
                         "the real op time / the profile's op time and raise it until the "
                         "overrun share is at most 1%%")
-    g.add_argument("--chameleon-redundancy", choices=("none", "eager"), default="none",
+    g.add_argument("--chameleon-redundancy", choices=get_args(Redundancy), default="none",
                    help="eager: every stage's parameters and optimizer state are also held by an "
                         "adjacent stage (refreshed every iteration), so a takeover moves no state")
-    g.add_argument("--chameleon-join-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="how long a restarted worker waits to be admitted into the running job")
     g.add_argument("--chameleon-inject", action="append", default=[], metavar="SPEC",
-                   help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward (repeatable; "
-                        "kinds kill, exit, hang, slow; phases forward, backward, grad-reduce, "
-                        "optimizer, commit, between-iterations, checkpoint, eval, shutdown, "
-                        "recovery, rebuild, transfer)")
-    g.add_argument("--chameleon-comm-timeout", type=float, default=5.0,
-                   help="seconds a training collective or point-to-point may wait before it is "
-                        "taken as a failure (with --chameleon); a false alarm costs one re-run "
-                        "iteration")
+                   help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward; several: "
+                        "repeat the flag or separate specs with ';' (kinds kill, exit, hang, "
+                        "slow; phases forward, backward, grad-reduce, optimizer, commit, "
+                        "between-iterations, checkpoint, eval, shutdown, recovery, rebuild, "
+                        "transfer)")
+    default = Timeouts()
+    g.add_argument("--chameleon-comm-timeout", type=float, default=default.comm_s,
+                   metavar="SECONDS",
+                   help="how long a training collective or point-to-point may wait before it is "
+                        "taken as a failure (with --chameleon; default %(default)g); a false "
+                        "alarm costs one re-run iteration. At most --chameleon-agree-timeout")
     g.add_argument("--chameleon-progress-timeout", type=float, default=None, metavar="SECONDS",
                    help="a rank whose progress (iteration, op) stalls this long while its peers "
                         "wait is reported hung and killed by its agent, even with a live "
                         "heartbeat (default: 10 x the median iteration time, at least the "
-                        "launcher's --heartbeat-timeout)")
-    g.add_argument("--chameleon-save-timeout", type=float, default=300.0, metavar="SECONDS",
+                        "launcher's --heartbeat-timeout). At least --heartbeat-timeout, below "
+                        "--chameleon-agree-timeout")
+    g.add_argument("--chameleon-save-timeout", type=float, default=default.save_s,
+                   metavar="SECONDS",
                    help="how long a checkpoint save or load may wait for its slowest rank, and "
-                        "go without progress, before a rank is taken as lost")
-    g.add_argument("--chameleon-executor", choices=("ir", "megatron-core"), default="ir",
+                        "go without progress, before a rank is taken as lost (default "
+                        "%(default)g). At least --chameleon-comm-timeout")
+    g.add_argument("--chameleon-agree-timeout", type=float, default=default.agree_s,
+                   metavar="SECONDS",
+                   help="how long each wait on the store of a recovery (the agreement on who "
+                        "is alive, the leader's plan, the barrier before the new world) and a "
+                        "step's commit vote may take (default %(default)g). Above "
+                        "--heartbeat-timeout and --chameleon-progress-timeout")
+    g.add_argument("--chameleon-rendezvous-timeout", type=float, default=default.rendezvous_s,
+                   metavar="SECONDS",
+                   help="how long a recovery's new world may take to connect its ranks; it "
+                        "gives up at once when one is reported lost (default %(default)g)")
+    g.add_argument("--chameleon-join-timeout", type=float, default=default.join_s,
+                   metavar="SECONDS",
+                   help="how long a restarted worker waits to be admitted into the running job "
+                        "(default %(default)g)")
+    g.add_argument("--chameleon-executor", choices=get_args(Executor), default="ir",
                    help="who runs each iteration: the schedule-IR executor, or megatron-core's own "
                         "pipeline schedule on the same model and data (homogeneous plans only; "
                         "for side-by-side checks)")
     return p
 
 
-def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+def parse_config(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
+    """The flags (sys.argv's by default) as the job's configuration; `world_size` defaults to
+    the launcher's WORLD_SIZE. Raises ConfigError (an ArgumentError for a flag's problem)."""
     args = build_parser().parse_args(argv)
     validate(args, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
-    return args
+    return job_config(args)
+
+
+def job_config(args: argparse.Namespace) -> JobConfig:
+    """The validated flags as a JobConfig: the one place a flag's name meets its field."""
+    try:
+        inject = tuple(parse_injects(args.chameleon_inject))
+    except FaultSpecError as e:
+        raise ArgumentError(f"--chameleon-inject: {e}") from None
+    return JobConfig(
+        model=ModelConfig(
+            num_layers=args.num_layers, hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+            seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            position_embedding_type=args.position_embedding_type,
+            normalization=args.normalization,
+            tied_embeddings=not args.untie_embeddings_and_output_weights,
+            hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+            init_method_std=args.init_method_std, transformer_impl=args.transformer_impl,
+            bf16=args.bf16, fp16=args.fp16),
+        parallel=ParallelConfig(
+            world_size=args.world_size, tensor_parallel=args.tensor_model_parallel_size,
+            pipeline_parallel=args.pipeline_model_parallel_size,
+            data_parallel=args.data_parallel_size, backend=args.distributed_backend,
+            distributed_timeout_s=60.0 * args.distributed_timeout_minutes,
+            plan_file=args.chameleon_plan, placement=args.chameleon_placement),
+        training=TrainingConfig(
+            micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+            train_iters=args.train_iters, seed=args.seed, lr=args.lr, min_lr=args.min_lr,
+            lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
+            lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
+            clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps, eval_interval=args.eval_interval, eval_iters=args.eval_iters),
+        logging=LoggingConfig(
+            log_interval=args.log_interval, timing_log_level=args.timing_log_level,
+            tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
+            metrics_file=args.chameleon_metrics_file),
+        data=DataConfig(
+            data_path=tuple(args.data_path or ()), split=args.split, mock_data=args.mock_data,
+            cache_path=args.data_cache_path, tokenizer_type=args.tokenizer_type,
+            vocab_file=args.vocab_file, merge_file=args.merge_file,
+            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size),
+        checkpoint=CheckpointConfig(save=args.save, load=args.load,
+                                    save_interval=args.save_interval),
+        elastic=ElasticConfig(
+            enabled=args.chameleon, strategy=args.chameleon_strategy,
+            redundancy=args.chameleon_redundancy, mtbf_hours=args.chameleon_mtbf,
+            profile=args.chameleon_profile, emulate=args.chameleon_emulate,
+            emulate_storage_mib_per_s=args.chameleon_emulate_storage,
+            emulate_dilation=args.chameleon_emulate_dilation, inject=inject,
+            executor=args.chameleon_executor,
+            timeouts=Timeouts(
+                # the launcher's --heartbeat-timeout, handed to its workers in the environment
+                heartbeat_s=float(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_TIMEOUT)),
+                comm_s=args.chameleon_comm_timeout,
+                progress_s=args.chameleon_progress_timeout,
+                save_s=args.chameleon_save_timeout, agree_s=args.chameleon_agree_timeout,
+                rendezvous_s=args.chameleon_rendezvous_timeout,
+                join_s=args.chameleon_join_timeout)))
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
@@ -255,8 +341,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     need(args.lr_warmup_iters <= args.lr_decay_iters,
          f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
 
-    need(args.tokenizer_type in TOKENIZERS,
-         f"unknown --tokenizer-type {args.tokenizer_type!r}; choose one of {', '.join(TOKENIZERS)}")
+    need(args.tokenizer_type in TOKENIZER_TYPES,
+         f"unknown --tokenizer-type {args.tokenizer_type!r}; choose one of "
+         f"{', '.join(TOKENIZER_TYPES)}")
     if args.mock_data:
         need(not args.data_path, "--mock-data and --data-path exclude each other")
     else:
@@ -279,21 +366,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
          "--chameleon-redundancy eager needs --chameleon-executor ir")
     need(not (args.chameleon and args.chameleon_executor != "ir"),
          "--chameleon recovers only with --chameleon-executor ir")
-    for spec in args.chameleon_inject:
-        try:
-            parse_inject(spec)
-        except FaultSpecError as e:
-            raise ArgumentError(f"--chameleon-inject {spec!r}: {e}") from None
     if args.chameleon_placement is None:
         args.chameleon_placement = "spread" if args.chameleon else "megatron"
-    need(args.chameleon_comm_timeout > 0, "--chameleon-comm-timeout must be positive")
-    need(args.chameleon_progress_timeout is None or args.chameleon_progress_timeout > 0,
-         "--chameleon-progress-timeout must be positive")
-    need(args.chameleon_save_timeout > 0, "--chameleon-save-timeout must be positive")
     need(not (args.chameleon and args.fp16),
          "--chameleon does not take --fp16: its dynamic loss scaler is updated before the "
          "step's commit point, so a re-run step would update it twice (use --bf16)")
-    need(args.chameleon_join_timeout > 0, "--chameleon-join-timeout must be positive")
     need(args.chameleon_mtbf is None or args.chameleon_mtbf > 0,
          "--chameleon-mtbf must be positive (hours)")
     if args.chameleon_profile is not None:
@@ -315,6 +392,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     need(args.distributed_backend == "gloo" or cuda, "--distributed-backend nccl needs CUDA")
+    need(args.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
     need(not (args.bf16 and args.fp16), "--bf16 and --fp16 exclude each other")
     need(cuda or not (args.bf16 or args.fp16),
          "--bf16/--fp16 need CUDA: megatron-core's mixed-precision optimizer is CUDA-only")
@@ -338,11 +416,3 @@ def _cuda_available() -> bool:
     import torch
     return torch.cuda.is_available()
 
-
-def exit_on_error(fn, *a, **kw):
-    """Run fn; an ArgumentError becomes `prog: error: message` and exit code 2."""
-    try:
-        return fn(*a, **kw)
-    except ArgumentError as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -4,7 +4,7 @@
 first call it builds, offline and deterministically, a corpus of the running interpreter's
 standard-library ``.py`` files (sorted by relative path; test directories, site-packages and
 ``__pycache__`` skipped; whole files, taken in order until about ``max_bytes``), one document per
-file, writes it as JSON lines and tokenizes it with tools/preprocess_data.py's ``preprocess``
+file, writes it as JSON lines and tokenizes it with megatron.training.preprocess's ``preprocess``
 (eod appended). The result is cached under ``data_dir`` (default: ``data/`` at the repository
 root) under a name that identifies the corpus (Python version and a hash of the file list and
 sizes) and the tokenizer; it is rebuilt only when its .bin or .idx is missing. Building goes to
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from megatron.training.known_warnings import silence_known_warnings
+from megatron.training.preprocess import preprocess
 
 __all__ = ["ensure_builtin_dataset", "builtin_corpus_files", "builtin_dataset_prefix",
            "DEFAULT_DATA_DIR", "DEFAULT_MAX_BYTES"]
@@ -97,17 +98,6 @@ def _exists(prefix: str) -> bool:
     return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
 
 
-def _import_preprocess():
-    silence_known_warnings()  # preprocess imports megatron-core
-    try:
-        from tools.preprocess_data import preprocess
-    except ImportError:
-        if str(REPO_ROOT) not in sys.path:
-            sys.path.insert(0, str(REPO_ROOT))
-        from tools.preprocess_data import preprocess
-    return preprocess
-
-
 def ensure_builtin_dataset(data_dir=None, tokenizer_type: str = "ByteLevelTokenizer",
                            vocab_file=None, merge_file=None, tokenizer_model=None, vocab_size=None,
                            *, tokenizer=None, source_dir=None, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -165,7 +155,7 @@ def ensure_builtin_dataset(data_dir=None, tokenizer_type: str = "ByteLevelTokeni
                     text = path.read_bytes().decode("utf-8", errors="replace")
                     f.write(json.dumps({"text": text, "path": rel}, ensure_ascii=False))
                     f.write("\n")
-            preprocess = _import_preprocess()
+            silence_known_warnings()  # preprocess imports megatron-core
             base = prefix[: -len("_text_document")]
             built = preprocess(jsonl, base, tokenizer, json_keys=("text",), workers=workers,
                                append_eod=True, progress=progress, log_interval=20)

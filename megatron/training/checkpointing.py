@@ -9,6 +9,10 @@ dropout is reseeded from (seed, iteration, micro-batch, layer).
 Atomic: a checkpoint is written to `iter_N.tmp/`, renamed to `iter_N/` once complete, and only
 then named in `latest_checkpointed_iteration.txt` (Megatron's tracker file). A killed save leaves at
 most a `.tmp` directory that loading ignores.
+
+A save or load can take far longer than a training step's collectives may wait, so with a
+timeout it runs on a group of its own over the world, created with that timeout and passed to
+torch.distributed.checkpoint (`process_group=`); the world's groups keep theirs.
 """
 
 from __future__ import annotations
@@ -18,12 +22,11 @@ import shutil
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from megatron.elastic import state_transfer
 from megatron.elastic.schedules import StageRuntime
@@ -58,24 +61,23 @@ def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool) -
 
 
 def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, meta: dict,
-         timeouts: tuple[float, float] | None = None,
-         written: Callable[[], None] | None = None) -> Path:
-    """Collective. `timeouts`: how long its collectives may wait for the slowest writer, and
-    the world group's timeout to go back to (None: the group's own, throughout); `written`:
-    called once this rank's part is written, before the checkpoint is named (failure
-    injection)."""
+         timeout: float | None = None, written: Callable[[], None] | None = None) -> Path:
+    """Collective. `timeout`: seconds its collectives may wait for the slowest writer (None:
+    the world's own timeout); `written`: called once this rank's part is written, before the
+    checkpoint is named (failure injection)."""
     final = _dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
-    with _world_timeout(timeouts):
+    with _group(timeout) as group:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
-        dcp.save(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(tmp))
+        dist.barrier(group=group)
+        dcp.save(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(tmp),
+                 process_group=group)
         if written:
             written()
-        dist.barrier()
+        dist.barrier(group=group)
     if rank0:
         full_meta = {**meta, "iteration": iteration, "scheduler": rt.scheduler.state_dict()}
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1, sort_keys=True))
@@ -92,20 +94,19 @@ def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, 
 
 
 @contextmanager
-def _world_timeout(timeouts: tuple[float, float] | None):
-    """The world group's operations wait up to timeouts[0] seconds for the duration, and
-    timeouts[1] after it: a save or load can take far longer than a training step's
-    collectives are allowed to (None: the group's own timeout throughout)."""
-    if timeouts is None:
-        yield
+def _group(timeout: float | None) -> Iterator[dist.ProcessGroup | None]:
+    """A group over the world whose creation and operations wait up to `timeout` seconds,
+    destroyed on the way out (a group left referenced keeps its peers blocked until their
+    timeout); None (the world itself) without a timeout. Collective."""
+    if timeout is None:
+        yield None
         return
-    during, after = timeouts
-    _set_pg_timeout(timedelta(seconds=during), dist.group.WORLD)
+    group = dist.new_group(timeout=timedelta(seconds=timeout))
     try:
-        yield
+        yield group
     finally:
         if dist.is_initialized():
-            _set_pg_timeout(timedelta(seconds=after), dist.group.WORLD)
+            dist.destroy_process_group(group)
 
 
 def latest_iteration(root: str) -> int | None:
@@ -122,10 +123,10 @@ def latest_iteration(root: str) -> int | None:
 
 
 def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
-         timeouts: tuple[float, float] | None = None) -> dict | None:
+         timeout: float | None = None) -> dict | None:
     """Load the latest checkpoint under `root` into the runtime (collective); returns its meta,
     or None if there is none. `expect` holds model settings that must match the
-    checkpoint's; `timeouts` as for save."""
+    checkpoint's; `timeout` as for save."""
     it = latest_iteration(root)
     if it is None:
         return None
@@ -134,7 +135,8 @@ def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
     for k, v in expect.items():
         if meta.get(k) != v:
             raise CheckpointError(f"checkpoint {d} has {k}={meta.get(k)!r}, this run has {v!r}")
-    with _world_timeout(timeouts):
-        dcp.load(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(d))
+    with _group(timeout) as group:
+        dcp.load(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(d),
+                 process_group=group)
     rt.scheduler.load_state_dict(meta["scheduler"])
     return meta

@@ -12,27 +12,27 @@ from dataclasses import dataclass, field
 from chameleon_ext.planning.perf_model import ModelShape, Profile, ProfileError
 from chameleon_ext.planning.planner import Situation
 from megatron.training import checkpointing
+from megatron.training.config import CheckpointConfig, ModelConfig
 
 # Loopback gloo on one CPU host, estimated; what they miss stays in the calibrated overhead.
 _CPU_LINKS = dict(p2p_alpha_ms=0.05, p2p_ms_per_mib=0.5, allreduce_alpha_ms=0.1,
                   allreduce_ms_per_mib=1.0)
 
 
-def model_shape(args) -> ModelShape:
-    return ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads,
-                      args.seq_length, args.micro_batch_size, args.padded_vocab_size,
-                      args.ffn_hidden_size or 0, 2 if (args.bf16 or args.fp16) else 4)
+def model_shape(model: ModelConfig, micro_batch_size: int) -> ModelShape:
+    return ModelShape(model.num_layers, model.hidden_size, model.num_attention_heads,
+                      model.seq_length, micro_batch_size, model.padded_vocab_size,
+                      model.ffn_hidden_size, 2 if (model.bf16 or model.fp16) else 4)
 
 
-def base_profile(args, cuda: bool) -> Profile:
-    """--chameleon-profile (checked to describe this model), else a profile of this machine
-    with no compute costs yet (calibration fills them in): its cores shared by every rank on a
-    CPU host, link costs estimated."""
-    shape = model_shape(args)
-    if args.chameleon_profile:
-        profile = Profile.load(args.chameleon_profile)
+def base_profile(shape: ModelShape, profile_file: str | None, cuda: bool) -> Profile:
+    """`profile_file` (--chameleon-profile, checked to describe this model), else a profile of
+    this machine with no compute costs yet (calibration fills them in): its cores shared by
+    every rank on a CPU host, link costs estimated."""
+    if profile_file:
+        profile = Profile.load(profile_file)
         if profile.shape != shape:
-            raise ProfileError(f"--chameleon-profile {args.chameleon_profile} describes "
+            raise ProfileError(f"--chameleon-profile {profile_file} describes "
                                f"{profile.shape}, this job is {shape}")
         return profile
     cores = 0.0 if cuda else float(len(os.sched_getaffinity(0)))
@@ -47,27 +47,29 @@ def base_profile(args, cuda: bool) -> Profile:
 class JobClock:
     """What the planner's Situation needs from the training loop."""
 
-    args: object
+    checkpoint: CheckpointConfig
+    train_iters: int
+    mtbf_hours: float | None           # --chameleon-mtbf (None: this job's failure rate)
+    eager_redundancy: bool
     started: float = field(default_factory=time.monotonic)
     failures: int = 0
     iteration_ms: list[float] = field(default_factory=list)
 
     def situation(self, iteration: int) -> Situation:
         """At a failure during `iteration` (counted as one more failure of this job)."""
-        args = self.args
         self.failures += 1
-        root = args.save or args.load
+        root = self.checkpoint.save or self.checkpoint.load
         ckpt = (checkpointing.latest_iteration(root) or 0) if root else 0
-        mtbf = args.chameleon_mtbf
+        mtbf = self.mtbf_hours
         if mtbf is None:
             mtbf = (time.monotonic() - self.started) / 3600.0 / self.failures
         recent = self.iteration_ms[-10:]
         return Situation(iteration=iteration, checkpoint_iteration=ckpt,
-                         remaining_iterations=args.train_iters - iteration + 1,
+                         remaining_iterations=self.train_iters - iteration + 1,
                          mtbf_hours=mtbf,
                          failure_free_ms=statistics.median(recent) if recent else 0.0,
-                         save_interval=args.save_interval or 0,
-                         eager_redundancy=args.chameleon_redundancy == "eager")
+                         save_interval=self.checkpoint.save_interval or 0,
+                         eager_redundancy=self.eager_redundancy)
 
 
 @dataclass

@@ -18,12 +18,15 @@ from chameleon_ext.schedule.ir import OpKind
 from chameleon_ext.schedule.message_fusion import message_count
 from megatron.elastic.emulation import OVERRUN_LIMIT
 from megatron.training import planning
+from megatron.training.config import LoggingConfig
 from megatron.training.metrics import MetricsFile, Tensorboard, iteration_line
 
 
 @dataclass
 class Reporter:
-    args: object
+    logging: LoggingConfig
+    train_iters: int
+    seq_length: int                              # tokens per sample, for the throughput
     lead: bool                                   # rank 0 of the current world
     metrics: MetricsFile = field(init=False)
     tb: Tensorboard = field(init=False)
@@ -37,8 +40,8 @@ class Reporter:
     last_record: dict | None = None              # the last iteration's metrics fields
 
     def __post_init__(self) -> None:
-        self.metrics = MetricsFile(self.args.chameleon_metrics_file)
-        self.tb = Tensorboard(self.args.tensorboard_dir if self.lead else None)
+        self.metrics = MetricsFile(self.logging.metrics_file)
+        self.tb = Tensorboard(self.logging.tensorboard_dir if self.lead else None)
 
     # ---- lines -------------------------------------------------------------------------------
     def line(self, text: str) -> None:
@@ -51,23 +54,23 @@ class Reporter:
             print(text, flush=True)
 
     def start(self, plan: ExecutionPlan, placement: str | None, schedule, start: int,
-              injected: int, fused: str) -> None:
-        a = self.args
+              setup: str, strategy: str | None, injected: int) -> None:
+        """The job's first lines: `setup` says what runs it (backend, kernels); `strategy` is
+        the recovery strategy, None without in-process recovery."""
         if self.lead:
             self.line(f"> plan: {plan.world_size} ranks, {len(plan.pipelines)} pipeline(s) x "
                       f"{len(plan.pipelines[0].stages)} stage(s), tensor parallel "
                       f"{plan.tensor_parallel}, {plan.num_micro_batches} micro-batches of "
                       f"{plan.micro_batch_size} per iteration"
                       + (f"; {placement}" if placement else ""))
-            self.line(f"> backend {a.distributed_backend}, transformer impl "
-                      f"{a.transformer_impl}, fused kernels: {fused}")
+            self.line(f"> {setup}")
             self.line(schedule_line(schedule))
-            if a.chameleon:
+            if strategy is not None:
                 self.line(f"> chameleon: in-process recovery on (strategy "
-                          f"{a.chameleon_strategy}), {injected} injected fault(s)")
-            if not a.no_progress_bar:
+                          f"{strategy}), {injected} injected fault(s)")
+            if self.logging.progress_bar:
                 from tqdm import tqdm
-                self.bar = tqdm(total=a.train_iters, initial=start, desc="training", unit="it",
+                self.bar = tqdm(total=self.train_iters, initial=start, desc="training", unit="it",
                                 file=sys.stderr, dynamic_ncols=True)
 
     def took_over(self, applied: int) -> None:
@@ -79,13 +82,12 @@ class Reporter:
 
     def iteration(self, it: int, res, ms: float, consumed: int, plan: ExecutionPlan,
                   strategy: str, lr: float, timers_text) -> None:
-        a = self.args
         self.skipped += 0 if res.update_successful else 1
         self.losses.append(res.loss)
         self.times.append(ms)
         if self.check and self.check.add(ms):
             self.prediction()
-        tokens_per_s = plan.global_batch_size * a.seq_length / (ms / 1e3)
+        tokens_per_s = plan.global_batch_size * self.seq_length / (ms / 1e3)
         self.last_record = dict(iteration=it, loss=res.loss, consumed_samples=consumed,
                                 elapsed_ms=round(ms, 3), tokens_per_s=round(tokens_per_s, 1),
                                 world=plan.world_size, generation=plan.generation,
@@ -95,9 +97,9 @@ class Reporter:
         self.tb.scalars(it, **{"lm loss": res.loss, "learning-rate": lr,
                                "grad-norm": res.grad_norm, "iteration-time": ms / 1e3,
                                "tokens-per-second": tokens_per_s})
-        if it % a.log_interval == 0:
+        if it % self.logging.log_interval == 0:
             self.line(iteration_line(
-                iteration=it, train_iters=a.train_iters, consumed=consumed, elapsed_ms=ms, lr=lr,
+                iteration=it, train_iters=self.train_iters, consumed=consumed, elapsed_ms=ms, lr=lr,
                 gbs=plan.global_batch_size, loss=res.loss, grad_norm=res.grad_norm,
                 tokens_per_s=tokens_per_s, skipped=self.skipped))
             text = timers_text()
@@ -278,10 +280,10 @@ class Reporter:
                                   else f"{len(differ)} DIFFER: {differ[:3]}"))
 
     def summary(self, plan: ExecutionPlan, start: int) -> dict:
-        a, times, losses = self.args, self.times, self.losses
+        times, losses = self.times, self.losses
         steady = sorted(times[1:] or times)
         median_ms = steady[len(steady) // 2] if steady else float("nan")
-        tokens_per_iter = plan.global_batch_size * a.seq_length
+        tokens_per_iter = plan.global_batch_size * self.seq_length
         summary = {
             "iterations": len(losses), "first_iteration": start + 1,
             "final_loss": losses[-1] if losses else None,
@@ -296,7 +298,7 @@ class Reporter:
         if self.lead:
             print("-" * 72)
             print(f" training summary: {summary['iterations']} iterations "
-                  f"({summary['first_iteration']}..{a.train_iters}) on {plan.world_size} ranks "
+                  f"({summary['first_iteration']}..{self.train_iters}) on {plan.world_size} ranks "
                   f"({layout_text(plan)})")
             if losses:
                 print(f"   loss: {losses[0]:.4f} -> {losses[-1]:.4f}")

@@ -29,15 +29,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, List, Optional
+from typing import Any, Iterable, List, Literal, Optional, get_args
 
 from megatron.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteLevelTokenizer as _McoreByteLevel
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as _McoreNull
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
-__all__ = ["TOKENIZER_TYPES", "TokenizerError", "build_tokenizer", "MegatronTokenizerText"]
+__all__ = ["TOKENIZER_TYPES", "TokenizerType", "TokenizerError", "build_tokenizer",
+           "MegatronTokenizerText"]
 
-TOKENIZER_TYPES = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TokenizerType = Literal["ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                        "NullTokenizer"]
+TOKENIZER_TYPES: tuple[str, ...] = get_args(TokenizerType)
 
 _TOKENIZERS_PIN = "tokenizers==0.23.3"
 

@@ -1,7 +1,8 @@
 """The training loop: one call per step and one per transition (torchtitan's Trainer in shape;
-the elastic side is megatron.elastic.manager's ElasticManager, torchft's Manager in shape).
+the elastic side is megatron.elastic.manager's ElasticManager, torchft's Manager in shape; a
+job without --chameleon has its DisabledManager, so the loop has one path for both).
 
-    trainer = Trainer(args, plan, tokenizer, injector, providers)   # world, data, runtime, load
+    trainer = Trainer(config, plan, tokenizer, injector, providers)   # world, data, runtime, load
     summary = trainer.train()
 
 `train` runs steps and, at each iteration boundary, the actions due there (evaluation, a
@@ -20,20 +21,19 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from chameleon_ext.comm import packed as comm
-from chameleon_ext.control import membership
 from chameleon_ext.control.faults import Injector
-from chameleon_ext.plan import placement
+from chameleon_ext.control.store import MembershipError, connect_store
+from chameleon_ext.control.world import PeerLost
 from chameleon_ext.plan.execution_plan import ExecutionPlan
-from chameleon_ext.planning.decider import Decider, Planning
+from chameleon_ext.planning.decider import Planning
 from chameleon_ext.planning.decision import Decision
 from chameleon_ext.planning.perf_model import Profile, ProfileError, predict_plan
 from chameleon_ext.planning.strategies import redundancy
@@ -41,10 +41,12 @@ from chameleon_ext.schedule.ir import COMPUTE
 from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
 from megatron.elastic.calibration import LiveCalibration
 from megatron.elastic.emulation import Emulation
-from megatron.elastic.manager import (PHASE_OF, Admission, ElasticConfig, ElasticManager,
-                                      Entered, Failure, NotNeeded, PlannedSwitch, Unrecoverable)
-from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock
+from megatron.elastic.manager import (PHASE_OF, Admission, DisabledManager, ElasticManager,
+                                      Enter, Entered, Failure, NotNeeded,
+                                      PlannedSwitch, Unrecoverable)
+from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock, StepHooks
 from megatron.training import checkpointing, planning
+from megatron.training.config import JobConfig, ParallelConfig
 from megatron.training.data import DataError, MicroBatchLoader
 from megatron.training.metrics import Stopwatch
 from megatron.training.reporting import Reporter
@@ -76,82 +78,97 @@ class StepFailure(Exception):
 class Providers:
     """Megatron-LM's entry points, as pretrain_gpt.py defines them."""
 
-    datasets: Callable       # (args, tokenizer) -> (train, valid, test) datasets
-    model: Callable          # (args, config, pre_process, post_process) -> GPTModel
+    datasets: Callable       # (JobConfig, tokenizer) -> (train, valid, test) datasets
+    model: Callable          # (ModelConfig, TransformerConfig, pre_process, post_process,
+                             #  pg_collection) -> GPTModel
     forward_step: Callable   # (batch, model) -> output
     loss_func: Callable      # (batch, output) -> token-mean loss
 
 
 class Trainer:
-    def __init__(self, args, plan: ExecutionPlan, tokenizer, injector: Injector,
+    def __init__(self, config: JobConfig, plan: ExecutionPlan, tokenizer, injector: Injector,
                  providers: Providers, transformer_config, optimizer_config,
                  placement_line: str | None = None) -> None:
-        self.args, self.injector = args, injector
+        self.config, self.injector = config, injector
         self.placement_line = placement_line    # placement.describe's, when the plan was placed
-        self.tied = not args.untie_embeddings_and_output_weights
-        self.elastic = self._elastic(args, plan, injector) if args.chameleon else None
-        joining = self.elastic is not None and self.elastic.joining
+        self.tied = config.model.tied_embeddings
+        elastic, log = config.elastic, config.logging
         self.plan, self.rank = plan, 0
-        if not joining:  # a restarted worker gets its world when it is admitted
-            self.rank = _initialize_distributed(args, self.elastic)
         cpu_compat.apply()
         from megatron.core.timers import Timers
         # Calibration reads the executor's per-op timers (level 2) whether or not they are
         # logged.
-        self.timers = Timers(max(args.timing_log_level, 2) if args.chameleon
-                             else args.timing_log_level, "minmax")
+        self.timers = Timers(max(log.timing_log_level, 2) if elastic.enabled
+                             else log.timing_log_level, "minmax")
         compute_clock = ComputeClock()
-        self.calibration = self.clock = None
-        self.emulation = Emulation(Profile.load(args.chameleon_emulate),
-                                   args.chameleon_emulate_dilation, planning.model_shape(args),
-                                   args.chameleon_emulate_storage) \
-            if args.chameleon_emulate else None
-        if self.elastic is not None:
+        shape = planning.model_shape(config.model, config.training.micro_batch_size)
+        self.emulation = Emulation(Profile.load(elastic.emulate), elastic.emulate_dilation, shape,
+                                   elastic.emulate_storage_mib_per_s) \
+            if elastic.emulate else None
+        # The live profile the leader plans with, and the job's situation at a failure.
+        self.calibration: LiveCalibration | None = None
+        self.clock: planning.JobClock | None = None
+        self.elastic: ElasticManager | DisabledManager
+        if elastic.enabled:
             try:
                 # Emulating: plan as on the emulated devices (calibration refines it from
                 # the padded timers).
                 base = self.emulation.device_profile if self.emulation else \
-                    planning.base_profile(args, args.distributed_backend == "nccl")
+                    planning.base_profile(shape, elastic.profile, config.parallel.backend == "nccl")
             except ProfileError as e:
                 raise JobError(str(e), exit_code=2) from None
-            self.calibration = LiveCalibration(self.elastic.store, self.elastic.launch_rank,
-                                               self.timers, base, compute_clock)
-            self.clock = planning.JobClock(args)
-            self.elastic.decider.planning = Planning(self.calibration.profile,
-                                                     self.clock.situation)
-            self.elastic.start()
+            store = connect_store()
+            # chameleon-launch's rank of this worker, as the manager's membership reads it
+            self.calibration = LiveCalibration(store, int(os.environ["RANK"]), self.timers,
+                                               base, compute_clock)
+            self.clock = planning.JobClock(config.checkpoint, config.training.train_iters,
+                                           elastic.mtbf_hours, elastic.eager)
+            self.elastic = ElasticManager(
+                elastic, store, injector, Planning(self.calibration.profile, self.clock.situation),
+                target=plan, backend=config.parallel.backend, placement=config.parallel.placement)
+        else:
+            self.elastic = DisabledManager(config.parallel.backend)
+        joining = self.elastic.joining
+        if not joining:  # a restarted worker gets its world when it is admitted
+            self.rank = _initialize_distributed(config.parallel, self.elastic)
+        self.elastic.start()
         try:
-            train_ds, valid_ds, _ = providers.datasets(args, tokenizer)
+            train_ds, valid_ds, _ = providers.datasets(config, tokenizer)
         except DataError as e:
             raise JobError(str(e), exit_code=2) from None
-        if self.elastic is not None and not joining:
+        if not joining:
             # Until here the world's collectives had --distributed-timeout-minutes, as in
             # Megatron: megatron-core's dataset builder holds every rank in a barrier while
-            # rank 0 writes the index cache, seconds on a loaded host. Training's own
-            # collectives wait no longer than --chameleon-comm-timeout (then it is a failure).
-            _set_pg_timeout(timedelta(seconds=args.chameleon_comm_timeout), dist.group.WORLD)
+            # rank 0 writes the index cache, seconds on a loaded host.
+            self.elastic.bound_world_ops()
         self.train_loader = MicroBatchLoader(train_ds, plan.micro_batch_size,
                                              plan.num_micro_batches)
         self.valid_loader = (MicroBatchLoader(valid_ds, plan.micro_batch_size,
                                               plan.num_micro_batches)
-                             if valid_ds is not None and args.eval_interval else None)
+                             if valid_ds is not None and config.training.eval_interval
+                             else None)
+        training = config.training
         self.spec = runtime.RuntimeSpec(
-            config=transformer_config, model_provider=lambda cfg, pre, post: providers.model(
-                args, cfg, pre, post),
+            config=transformer_config, model_provider=lambda cfg, pre, post, pgs: providers.model(
+                config.model, cfg, pre, post, pgs),
             optimizer_config=optimizer_config,
-            sched=runtime.SchedulerSettings(args.lr, args.min_lr, args.lr_warmup_iters,
-                                            args.lr_decay_iters, args.lr_decay_style,
-                                            args.weight_decay),
-            seed=args.seed, tied_embeddings=self.tied, seq_length=args.seq_length,
+            sched=runtime.SchedulerSettings(training.lr, training.min_lr,
+                                            training.lr_warmup_iters, training.lr_decay_iters,
+                                            training.lr_decay_style, training.weight_decay),
+            seed=training.seed, tied_embeddings=self.tied, seq_length=config.model.seq_length,
             get_batch=self.train_loader.get, forward_step=providers.forward_step,
             loss_func=providers.loss_func,
-            timeout=timedelta(seconds=args.chameleon_comm_timeout) if args.chameleon else None,
-            timers=self.timers, executor=args.chameleon_executor, compute_clock=compute_clock,
-            eager=args.chameleon_redundancy == "eager", measure_memory=args.chameleon)
-        self.model_meta = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+            timeout=timedelta(seconds=elastic.timeouts.comm_s) if elastic.enabled else None,
+            timers=self.timers, executor=elastic.executor, compute_clock=compute_clock,
+            eager=elastic.eager, measure_memory=elastic.enabled,
+            hooks=self._step_hooks(), emulation=self.emulation)
+        # What a checkpoint must match to be loaded, and how long its collectives may wait.
+        self.model_meta = {"num_layers": config.model.num_layers,
+                           "hidden_size": config.model.hidden_size,
                            "tensor_parallel": plan.tensor_parallel,
                            "global_batch_size": plan.global_batch_size,
-                           "seq_length": args.seq_length}
+                           "seq_length": config.model.seq_length}
+        self.save_timeout_s = elastic.timeouts.save_s if elastic.enabled else None
         self.iteration = 0          # the last iteration whose step this rank applied
         self.consumed = 0           # samples the data loader delivered to committed steps
         self.start = 0
@@ -166,41 +183,38 @@ class Trainer:
         # collector's sight, so that the collections at a recovery (which close the old
         # groups' sockets) take milliseconds, not half a second.
         gc.freeze()
-        self.reporter = Reporter(args, lead=self.rank == 0 and not joining)
+        self.reporter = Reporter(log, training.train_iters, config.model.seq_length,
+                                 lead=self.rank == 0 and not joining)
         if joining:
             self._join()
         else:
             try:
                 self.built = self._build(plan, self.rank)
-            except membership.PeerLost as e:   # generation 0 has no earlier world to go back to
+            except PeerLost as e:   # generation 0 has no earlier world to go back to
                 raise JobError(f"a rank was lost while the job started: {e}") from None
-            _set_random_seeds(args.seed)
-            if args.load:
+            _set_random_seeds(training.seed, plan.position(self.rank).tp_rank)
+            if config.checkpoint.load:
                 self._load_initial()
 
-    @staticmethod
-    def _elastic(args, plan: ExecutionPlan, injector: Injector) -> ElasticManager:
-        config = ElasticConfig(backend=args.distributed_backend,
-                               strategy=args.chameleon_strategy,
-                               eager=args.chameleon_redundancy == "eager",
-                               comm_timeout_s=args.chameleon_comm_timeout,
-                               progress_timeout_s=args.chameleon_progress_timeout,
-                               save_timeout_s=args.chameleon_save_timeout)
-        manager = ElasticManager(config, injector, Decider(
-            config.strategy, config.eager, target=plan, placement=args.chameleon_placement))
-        # Every launch rank has its launcher's record before it starts: 5 s is ample.
-        manager.decider.nodes = lambda ranks: membership.nodes_from_store(manager.store, ranks,
-                                                                         timeout_s=5.0)
-        return manager
+    def _step_hooks(self) -> StepHooks:
+        """The manager's calls in a step, and a slowed rank's stretching of its ops."""
+        hooks = self.elastic.step_hooks()
+        if self.injector.has_slow():
+            hooks = replace(hooks, after_op=_slowed(self.injector))
+        return hooks
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
         if self.left is not None:
             return self._leave(self.left)
+        c = self.config
         self.reporter.start(self.plan, self.placement_line, self.built.schedule, self.start,
-                            len(self.injector.job_specs),
+                            f"backend {c.parallel.backend}, transformer impl "
+                            f"{c.model.transformer_impl}, fused kernels: "
                             f"{'apex' if _has('apex') else 'torch fallbacks (no apex)'}, packed "
-                            f"messages: {comm.backend()}")
+                            f"messages: {comm.backend()}",
+                            c.elastic.strategy if c.elastic.enabled else None,
+                            len(self.injector.job_specs))
         while True:
             try:
                 self._advance()
@@ -222,12 +236,12 @@ class Trainer:
             while self.pending:
                 self.pending[0]()
                 self.pending.pop(0)
-            if self.iteration >= self.args.train_iters:
+            if self.iteration >= self.config.training.train_iters:
                 if self.finishing:
                     return
                 self.finishing = True
-                if self.elastic is not None and self.reporter.lead:
-                    self.elastic.members.mark_trained(self.iteration)
+                if self.reporter.lead:
+                    self.elastic.trained(self.iteration)
                 self.pending = self._final_actions()
                 continue
             self.train_step(self.iteration + 1)
@@ -237,62 +251,59 @@ class Trainer:
         """Iteration `it` (1-based): run this rank's ops; the step is applied everywhere or
         nowhere (the executor's commit)."""
         self.injector.maybe_fire(it, "between-iterations")
-        if self.elastic is not None:
-            self.elastic.tick(it, "between-iterations",
-                              allow_s=self.elastic.progress_allowance(self.reporter.times))
+        self.elastic.tick(it, "between-iterations",
+                          allow_s=self.elastic.progress_allowance(self.reporter.times))
         ops = self.built.schedule.ops[self.rank]
-        error = None
+        failure = None
         try:
             res = self.built.executor.run(ops, it - 1)
         except RuntimeError as e:
-            if self.elastic is None:
-                raise
-            noticed = self.elastic.notice()
-            error = _first_line(e)
-        if error is not None:   # outside the except block: its traceback would pin the groups
-            self.elastic.placeholders = self.built.executor.drain(ops, self.elastic.lost_ranks())
+            failure = self.elastic.notice(e, it)
+        if failure is not None:  # outside the except block: its traceback would pin the groups
+            self.elastic.drained(self.built.executor.drain(ops, self.elastic.lost_ranks()))
             self.built.executor.reset()
-            raise StepFailure(Failure(it, noticed, error))
+            raise StepFailure(failure)
         ms = self.watch.lap_ms()
         self.iteration, self.consumed = it, self.consumed + res.samples
-        if self.elastic is not None:
-            self.elastic.applied = it
+        self.elastic.applied_step(it)
+        if self.calibration is not None:
             self.calibration.after_iteration(ms)
             self.clock.iteration_ms.append(ms)
         if not math.isfinite(res.loss):
             raise JobError(f"loss is {res.loss} at iteration {it}")
-        a = self.args
+        log = self.config.logging
         self.reporter.iteration(
             it, res, ms, self.consumed, self.plan, self.strategy,
             self.built.runtime.optimizer.param_groups[0]["lr"],
             lambda: self.timers.get_all_timers_string(list(_OP_TIMERS),
-                                                      normalizer=a.log_interval)
-            if a.timing_log_level > 0 else "")
+                                                      normalizer=log.log_interval)
+            if log.timing_log_level > 0 else "")
 
     def _actions_after(self, it: int) -> list[Callable[[], None]]:
-        a = self.args
+        ckpt = self.config.checkpoint
         due = []
-        if self.valid_loader and it % a.eval_interval == 0:
+        if self.valid_loader and it % self.config.training.eval_interval == 0:
             due.append(self._evaluate)
-        if a.save and a.save_interval and it % a.save_interval == 0:
+        if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
             due.append(self._save)
         if self.switch is not None and it == self.switch.at_iteration:
             due.append(self._switch)
-        if self.elastic is not None and self.elastic.admission_due(it):
+        if self.elastic.admission_due(it):
             due.append(self._admit)
         return due
 
     def _final_actions(self) -> list[Callable[[], None]]:
-        a = self.args
+        ckpt = self.config.checkpoint
         due: list[Callable[[], None]] = [self._shutting_down]
-        last = a.train_iters
-        if a.save and last > self.start and not (a.save_interval and last % a.save_interval == 0):
+        last = self.config.training.train_iters
+        if ckpt.save and last > self.start and \
+                not (ckpt.save_interval and last % ckpt.save_interval == 0):
             due.append(self._save)
         if self.built.shadows is not None:
             due.append(self._report_shadows)
         if self.built.runtime.memory is not None:
             due.append(self._report_memory)
-        if self.elastic is not None:
+        if self.elastic.enabled:   # the promise a plan change keeps: replicas identical
             due.append(self._check_replicas)
         if self.emulation is not None:
             due.append(self._report_emulation)
@@ -303,39 +314,34 @@ class Trainer:
     def _boundary(self, during: str, allow_s: float | None = None):
         """Work between steps whose collectives may fail: a lost peer becomes a Failure of the
         next iteration, and the work is done again in the new world."""
-        if self.elastic is not None:
-            self.elastic.tick(self.iteration, during, allow_s=allow_s)
+        self.elastic.tick(self.iteration, during, allow_s=allow_s)
         try:
             yield
         except RuntimeError as e:
-            if self.elastic is None:
-                raise
-            noticed = self.elastic.notice()
-            raise StepFailure(Failure(self.iteration + 1, noticed, _first_line(e), during)) \
-                from None
+            raise StepFailure(self.elastic.notice(e, self.iteration + 1, during)) from None
 
     def _shutting_down(self) -> None:
         self.injector.maybe_fire(self.iteration, "shutdown")
         self.reporter.prediction()
 
     def _evaluate(self) -> None:
-        allow = None if self.elastic is None else \
-            self.args.eval_iters * self.elastic.progress_allowance(self.reporter.times)
+        eval_iters = self.config.training.eval_iters
+        allow = eval_iters * self.elastic.progress_allowance(self.reporter.times)
         with self._boundary("eval", allow):
             self.injector.maybe_fire(self.iteration, "eval")
             loss = self.built.executor.evaluate(self.built.eval_schedule.ops[self.rank],
                                                 self.valid_loader.get,
-                                                range(self.args.eval_iters))
+                                                range(eval_iters))
         self.reporter.validation(self.iteration, loss)
         self.watch.lap_ms()
 
     def _save(self) -> None:
-        a, it = self.args, self.iteration
-        timeouts = (a.chameleon_save_timeout, a.chameleon_comm_timeout) if a.chameleon else None
-        with self._boundary("checkpoint", a.chameleon_save_timeout), \
+        root, it = self.config.checkpoint.save, self.iteration
+        with self._boundary("checkpoint", self.config.elastic.timeouts.save_s), \
                 self._emulated_io(self.built.runtime):
             path = checkpointing.save(
-                a.save, it, self.built.runtime, tied_embeddings=self.tied, timeouts=timeouts,
+                root, it, self.built.runtime, tied_embeddings=self.tied,
+                timeout=self.save_timeout_s,
                 meta={**self.model_meta, "consumed_samples": self.consumed,
                       "plan": self.plan.to_dict()},
                 written=lambda: self.injector.maybe_fire(it, "checkpoint"))
@@ -343,7 +349,7 @@ class Trainer:
         if self.calibration is not None and self.rank == 0:
             profile = self.calibration.profile(self.plan, self.elastic.alive)
             if profile is not None:
-                profile.save(os.path.join(a.save, "profile.json"))
+                profile.save(os.path.join(root, "profile.json"))
         self.watch.lap_ms()
 
     def _switch(self) -> None:
@@ -436,7 +442,7 @@ class Trainer:
         self.built = None
         try:
             t = self.elastic.reconfigure(trigger, self.plan, self._enter_with(carried))
-        except (Unrecoverable, membership.MembershipError, state_transfer.StateLost,
+        except (Unrecoverable, MembershipError, state_transfer.StateLost,
                 checkpointing.CheckpointError) as why:
             raise JobError(f"cannot go on in-process after iteration {self.iteration}: {why}") \
                 from None
@@ -445,11 +451,11 @@ class Trainer:
 
     def _join(self) -> None:
         try:
-            t = self.elastic.join(self._enter_with(None), self.args.chameleon_join_timeout)
+            t = self.elastic.join(self._enter_with(None), self.config.elastic.timeouts.join_s)
         except NotNeeded as why:   # admitted, but the plan has no place for this rank
             self.left = why
             return
-        except (Unrecoverable, membership.MembershipError, state_transfer.StateLost) as why:
+        except (Unrecoverable, MembershipError, state_transfer.StateLost) as why:
             raise JobError(f"cannot join the job: {why}") from None
         self._entered(t)
         self.start = self.iteration
@@ -475,8 +481,7 @@ class Trainer:
             self.built.shadows.add_to(carried)
         return carried
 
-    def _enter_with(self, carried: state_transfer.CarriedState | None
-                    ) -> Callable[[Decision, int, int | None], Entered]:
+    def _enter_with(self, carried: state_transfer.CarriedState | None) -> Enter:
         def enter(decision: Decision, rank: int, agreed: int | None) -> Entered:
             if decision.restarts:
                 built = self._build(decision.plan, rank)
@@ -499,60 +504,44 @@ class Trainer:
 
     def _build(self, plan: ExecutionPlan, rank: int, carried=None, on_transfer=None):
         built = runtime.build(plan, rank, self.spec, carried, on_transfer)
-        rt = built.runtime
-        if self.elastic is not None:
-            rt.before_op, rt.commit = self.elastic.before_op, self.elastic.commit
-            rt.tick = lambda it, phase, waiting: self.elastic.tick(it + 1, phase, waiting)
-        rt.after_op = _slowed(self.injector) if self.injector.has_slow() else None
         if self.emulation is not None:
-            rt.emulation = self.emulation.device(plan, rank)
             self.emulation.transferred(built.received_bytes)
         if self.calibration is not None:
             self.calibration.start(plan, rank, built.schedule.ops[rank],
-                                   built.shadows is not None, rt.memory)
+                                   built.shadows is not None, built.runtime.memory)
         return built
 
     def _load(self, rt) -> dict | None:
         """The latest checkpoint of --save (else --load) into `rt` (collective)."""
-        a = self.args
-        root = a.save or a.load
+        root = self.config.checkpoint.save or self.config.checkpoint.load
         if not root:
             return None
-        timeouts = (a.chameleon_save_timeout, a.chameleon_comm_timeout) if a.chameleon else None
         with self._emulated_io(rt):
             return checkpointing.load(root, rt, tied_embeddings=self.tied,
-                                      expect=self.model_meta, timeouts=timeouts)
+                                      expect=self.model_meta, timeout=self.save_timeout_s)
 
     def _load_initial(self) -> None:
-        a = self.args
+        root = self.config.checkpoint.load
         try:
             with self._emulated_io(self.built.runtime):
-                meta = checkpointing.load(a.load, self.built.runtime, tied_embeddings=self.tied,
+                meta = checkpointing.load(root, self.built.runtime, tied_embeddings=self.tied,
                                           expect=self.model_meta)
         except checkpointing.CheckpointError as e:
             raise JobError(str(e), exit_code=2) from None
         if meta is None:
-            self.reporter.line(f"no checkpoint found under {a.load}: training from scratch")
+            self.reporter.line(f"no checkpoint found under {root}: training from scratch")
             return
         self.start = self.iteration = meta["iteration"]
         self.consumed = meta.get("consumed_samples", self.iteration * self.plan.global_batch_size)
-        if self.elastic is not None:
-            self.elastic.applied = self.iteration
-        self.reporter.line(f"loaded checkpoint from {a.load} at iteration {self.start}")
+        self.elastic.applied_step(self.iteration)
+        self.reporter.line(f"loaded checkpoint from {root} at iteration {self.start}")
 
     # ---- the end -----------------------------------------------------------------------------
     def _finish(self) -> dict:
         summary = self.reporter.summary(self.plan, self.start)
         self.reporter.close()
         self.built = None
-        if self.elastic is not None:
-            self.elastic.leave()
-        else:
-            dist.barrier()
-            dist.destroy_process_group()
-            # Groups of earlier worlds that something still referenced go now, while the
-            # interpreter is whole: gloo's threads joined at its teardown end in std::terminate.
-            gc.collect()
+        self.elastic.leave()
         return summary
 
     def _leave(self, why: NotNeeded) -> dict:
@@ -563,37 +552,17 @@ class Trainer:
         return {}
 
 
-def _initialize_distributed(args, elastic: ElasticManager | None) -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.distributed_backend == "nccl":
+def _initialize_distributed(parallel: ParallelConfig,
+                            manager: ElasticManager | DisabledManager) -> int:
+    if parallel.backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = timedelta(minutes=args.distributed_timeout_minutes)
-    if elastic is None:
-        # Under chameleon-launch the world meets on the job's store (env:// knows only a
-        # TCPStore; the store may be an etcd cluster).
-        store = None
-        if os.environ.get(membership.STORE_ENV):
-            store = membership.generation_store(membership.connect_store(), 0)
-        else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(args.distributed_backend, rank=rank, world_size=world,
-                                store=store, timeout=timeout)
-        return rank
-    # Generation 0 meets on the job's store like every later one: its rendezvous gives up as
-    # soon as a rank is lost (instead of after the timeout), and its operations then wait no
-    # longer than the plan's groups'.
     try:
-        membership.rebuild_world(elastic.store, membership.Agreement(0, list(range(world)), [], 0),
-                                 rank, args.distributed_backend, timeout.total_seconds(),
-                                 members=elastic.members)
-    except membership.PeerLost as e:
+        return manager.initialize_world(parallel.distributed_timeout_s)
+    except PeerLost as e:
         raise JobError(f"a rank was lost while the job started: {e}") from None
-    return rank
 
 
-def _set_random_seeds(seed: int) -> None:
+def _set_random_seeds(seed: int, tp_rank: int) -> None:
     import random
 
     import numpy as np
@@ -601,7 +570,10 @@ def _set_random_seeds(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    # The ranks given, not read from megatron-core's globals (the plan's groups are passed to
+    # megatron-core, never installed); no expert parallelism: its tensor-parallel rank is ours.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0,
+                                                    etp_rank=tp_rank, force_reset_rng=True)
 
 
 def _gather(mine) -> list:
@@ -628,8 +600,3 @@ def _slowed(injector: Injector):
 def _has(module: str) -> bool:
     import importlib.util
     return importlib.util.find_spec(module) is not None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).splitlines()
-    return f"{type(e).__name__}: {text[0][:160] if text else ''}"

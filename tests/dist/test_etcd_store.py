@@ -17,7 +17,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext.control import membership as mb
+from chameleon_ext.control.membership import Membership
+from chameleon_ext.control.store import (MembershipError, check_store_spec, connect_store,
+                                         generation_store, job_info, parse_etcd_spec)
 from chameleon_ext.control.etcd_store import EtcdStore
 from tests.etcd_cluster import EtcdCluster
 from tests.launch import REPO, SMALL_MODEL, run_chameleon
@@ -53,17 +55,17 @@ def _ops(store) -> list:
 def test_every_operation_answers_as_a_tcpstore_does(etcd):
     tcp = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
                         wait_for_workers=False)
-    on_etcd = mb.connect_store(etcd.url("parity"), timeout_s=10)
+    on_etcd = connect_store(etcd.url("parity"), timeout_s=10)
     assert isinstance(on_etcd, EtcdStore)
     assert _ops(on_etcd) == _ops(tcp)
     assert on_etcd.num_keys() == len({"a", "first", "empty", "n", "z", "log", "from_clone"})
-    other = mb.connect_store(etcd.url("parity-other"), timeout_s=10)
+    other = connect_store(etcd.url("parity-other"), timeout_s=10)
     assert not other.check(["first"])    # namespaces do not see each other
 
 
 @pytest.mark.timeout(60)
 def test_blocking_reads_wait_for_the_key_and_time_out_naming_it(etcd):
-    store = mb.connect_store(etcd.url("blocking"), timeout_s=10)
+    store = connect_store(etcd.url("blocking"), timeout_s=10)
     writer = store.clone()
     threading.Timer(0.3, lambda: writer.set("late", "here")).start()
     t0 = time.monotonic()
@@ -85,9 +87,9 @@ def test_blocking_reads_wait_for_the_key_and_time_out_naming_it(etcd):
 def _gloo_member(rank: int, world: int, url: str, generation: int) -> None:
     import torch
     torch.set_num_threads(1)
-    store = mb.connect_store(url, timeout_s=60)
+    store = connect_store(url, timeout_s=60)
     t0 = time.perf_counter()
-    dist.init_process_group("gloo", store=mb.generation_store(store, generation), rank=rank,
+    dist.init_process_group("gloo", store=generation_store(store, generation), rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=60))
     x = torch.tensor([float(rank + 1)])
@@ -113,7 +115,7 @@ def _gloo_world(url: str, world: int, generation: int) -> list[dict]:
             if p.is_alive():
                 p.kill()
                 p.join(10)
-    store = mb.connect_store(url, timeout_s=10)
+    store = connect_store(url, timeout_s=10)
     return [json.loads(store.get(f"test/sum/{generation}/{r}")) for r in range(world)]
 
 
@@ -121,7 +123,7 @@ def _gloo_world(url: str, world: int, generation: int) -> list[dict]:
 def test_gloo_world_rendezvous_on_a_prefix_store_over_etcd(etcd):
     results = _gloo_world(etcd.url("gloo"), 2, generation=1)
     assert [r["sum"] for r in results] == [3.0, 3.0]
-    keys = mb.connect_store(etcd.url("gloo"), timeout_s=10)
+    keys = connect_store(etcd.url("gloo"), timeout_s=10)
     assert keys.num_keys() > 2            # the rendezvous wrote under gen1/, not elsewhere
     print(f"\ngloo world of 2 on etcd, init + new_group + all_reduce: "
           f"{max(r['ms'] for r in results):.0f} ms")
@@ -137,8 +139,8 @@ def test_operations_go_on_when_the_leader_is_sigkilled_midway(tmp_path):
         # The client talks to the leader first: its loss is the worst case (an election too).
         order = [leader] + [i for i in range(3) if i != leader]
         url = f"etcd://{','.join(cluster.endpoints[i] for i in order)}/failover"
-        store = mb.connect_store(url, timeout_s=30)
-        m = mb.Membership(store, None, 4, heartbeat_timeout=30)
+        store = connect_store(url, timeout_s=30)
+        m = Membership(store, None, 4, heartbeat_timeout=30)
         adds, stop, errors = 0, threading.Event(), []
 
         def load():                    # a second client writing all along
@@ -155,14 +157,15 @@ def test_operations_go_on_when_the_leader_is_sigkilled_midway(tmp_path):
         worker = threading.Thread(target=load, daemon=True)
         worker.start()
         time.sleep(0.5)
-        m.report_failure(1, "signal", "SIGKILL")
+        m.failure_log.report_failure(1, "signal", "SIGKILL")
         t0 = time.monotonic()
         cluster.kill(leader)
         store.set("after", "1")                      # the first operation after the loss
         failover_ms = (time.monotonic() - t0) * 1e3
-        m.report_failure(2, "exit", "exit code 1")
-        assert m.report_failure(1, "comm").cause == "signal"     # compare_set: first wins
-        assert sorted(m.failures()) == [1, 2]
+        m.failure_log.report_failure(2, "exit", "exit code 1")
+        # compare_set: the first report wins
+        assert m.failure_log.report_failure(1, "comm").cause == "signal"
+        assert sorted(m.failure_log.failures()) == [1, 2]
         assert store.get("after") == b"1" and store.check(["after"])
         writer = store.clone()
         threading.Timer(0.2, lambda: writer.set("late", "1")).start()
@@ -184,15 +187,15 @@ def test_operations_go_on_when_the_leader_is_sigkilled_midway(tmp_path):
 # ----------------------------------------------------------------------------- addresses
 
 def test_bad_addresses_are_one_line_errors(tmp_path):
-    assert mb.parse_etcd_spec("etcd://h1:1,[::1]:2/job/7") == ([("h1", 1), ("::1", 2)], "job/7")
-    assert mb.parse_etcd_spec("etcd://h:5") == ([("h", 5)], "default")
+    assert parse_etcd_spec("etcd://h1:1,[::1]:2/job/7") == ([("h1", 1), ("::1", 2)], "job/7")
+    assert parse_etcd_spec("etcd://h:5") == ([("h", 5)], "default")
     for bad, words in [("etcd://", "names no etcd endpoint"), ("etcd://h", "not host:port"),
                        ("etcd://h:1,h:x", "not an integer"), ("etcd://h:1/a b", "namespace")]:
         with pytest.raises(ValueError, match=words):
-            mb.check_store_spec(bad)
+            check_store_spec(bad)
     t0 = time.monotonic()
-    with pytest.raises(mb.MembershipError, match="cannot reach the etcd store"):
-        mb.connect_store("etcd://127.0.0.1:1", timeout_s=1)
+    with pytest.raises(MembershipError, match="cannot reach the etcd store"):
+        connect_store("etcd://127.0.0.1:1", timeout_s=1)
     assert time.monotonic() - t0 < 5
     for bad in ("etcd://", "etcd://127.0.0.1:port", "127.0.0.1"):
         p = subprocess.run([sys.executable, "-m", "chameleon_ext.control.launcher", "--store", bad,
@@ -213,9 +216,9 @@ def test_chameleon_job_on_etcd_finishes(etcd, small_data, tmp_path):
     run = run_chameleon(2, args, tmp_path, launcher_args=["--store", url])
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.iterations() == [1, 2, 3]
-    store = mb.connect_store(url, timeout_s=10)
-    assert mb.job_info(store)["world_size"] == 2
-    assert mb.Membership(store, None, 2).exited() == [0, 1]
+    store = connect_store(url, timeout_s=10)
+    assert job_info(store)["world_size"] == 2
+    assert Membership(store, None, 2).failure_log.exited() == [0, 1]
     assert store.check(["gen0/0//cpu//0/0"])          # the first world met on etcd
     # The same namespace again: refused, its old records would be read as the new job's.
     again = run_chameleon(2, args, tmp_path, launcher_args=["--store", url], name="again")

@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext.control import membership as mb
+from chameleon_ext.control.failures import FailureRecord
+from chameleon_ext.control.keys import key_agent_hb, key_failure, key_worker
+from chameleon_ext.control.store import ETCD_SCHEME, connect_store, node_info, worker_info
 from tests.launch import SMALL_MODEL, run_chameleon
 
 pytestmark = pytest.mark.slow
@@ -45,8 +47,10 @@ if mode == "exit":                       # no torch: rank 0 fails once the test 
 import torch
 torch.set_num_threads(1)
 import torch.distributed as dist
-from chameleon_ext.control import membership as mb
-store = mb.connect_store()
+from chameleon_ext.control.membership import Membership
+from chameleon_ext.control.store import connect_store
+from chameleon_ext.control.world import rebuild_world
+store = connect_store()
 def put(key, value):
     store.set("test/" + key, json.dumps(value))
 put(f"env/{rank}", {k: os.environ.get(k) for k in (
@@ -59,8 +63,8 @@ if mode == "gloo":
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == world
-    m = mb.Membership.from_env(store)
-    m.start_heartbeat()
+    m = Membership.from_env(store)
+    m.heartbeat.start()
     dist.barrier()
     if rank == victim:
         put("kill_time", time.time())
@@ -73,9 +77,9 @@ if mode == "gloo":
     t0 = time.perf_counter()
     dist.destroy_process_group()         # closes our sockets: peers still waiting error out too
     t1 = time.perf_counter()
-    ag = m.agree(1, list(range(world)), timeout_s=20)
+    ag = m.agreements.agree(1, list(range(world)), timeout_s=20)
     t2 = time.perf_counter()
-    new_rank = mb.rebuild_world(store, ag, rank, timeout_s=30)      # PrefixStore("gen1", store)
+    new_rank = rebuild_world(store, ag, rank, timeout_s=30)      # PrefixStore("gen1", store)
     t3 = time.perf_counter()
     x = torch.tensor([float(rank)])
     dist.all_reduce(x)
@@ -85,7 +89,7 @@ if mode == "gloo":
                            "destroy_ms": (t1 - t0) * 1e3, "agree_ms": (t2 - t1) * 1e3,
                            "rebuild_ms": (t3 - t2) * 1e3, "first_allreduce_ms": (t4 - t3) * 1e3})
     dist.destroy_process_group()
-    m.stop()
+    m.heartbeat.stop()
     sys.exit(0)
 
 if mode == "sleep":                      # for Ctrl-C: a stubborn worker and a grandchild
@@ -98,12 +102,12 @@ if mode == "sleep":                      # for Ctrl-C: a stubborn worker and a g
         time.sleep(1)
 
 if mode == "heartbeat":                  # heartbeats; finishes when the test says so
-    m = mb.Membership.from_env(store)
-    m.start_heartbeat(0.1)
+    m = Membership.from_env(store)
+    m.heartbeat.start(0.1)
     put(f"ready/{rank}", os.getpid())
     while not store.check(["test/finish"]):
         time.sleep(0.05)
-    m.stop()
+    m.heartbeat.stop()
     sys.exit(0)
 '''
 
@@ -154,8 +158,8 @@ class Launch:
         return self.err_path.read_text()
 
     def connect(self, timeout=60):
-        if self.store is None and self.addr.startswith(mb.ETCD_SCHEME):
-            self.store = mb.connect_store(self.addr, timeout_s=30)
+        if self.store is None and self.addr.startswith(ETCD_SCHEME):
+            self.store = connect_store(self.addr, timeout_s=30)
         deadline = time.monotonic() + timeout
         while self.store is None:
             try:
@@ -177,8 +181,8 @@ class Launch:
             time.sleep(0.01)
 
     def workers(self, n) -> dict[int, dict]:
-        self.wait_keys([mb.key_worker(r) for r in range(n)])
-        info = {r: mb.worker_info(self.store, r) for r in range(n)}
+        self.wait_keys([key_worker(r) for r in range(n)])
+        info = {r: worker_info(self.store, r) for r in range(n)}
         self.pids.update(i["pid"] for i in info.values())
         return info
 
@@ -223,8 +227,8 @@ def launch(tmp_path):
 def test_sigkilled_worker_is_reported_and_survivors_rebuild_gloo_on_gen1(launch):
     run = launch(4, "gloo", "3", flags=["--heartbeat-timeout", "5"])
     info = run.workers(4)
-    run.wait_keys([mb.key_failure(3), "test/kill_time"], timeout=60)
-    rec = mb.FailureRecord.from_json(run.store.get(mb.key_failure(3)))
+    run.wait_keys([key_failure(3), "test/kill_time"], timeout=60)
+    rec = FailureRecord.from_json(run.store.get(key_failure(3)))
     kill_time = json.loads(run.store.get("test/kill_time"))
     latency = rec.time - kill_time
     assert rec.rank == 3 and rec.cause == "signal" and rec.detail == "SIGKILL"
@@ -304,14 +308,14 @@ def test_inject_failure_stop_and_kill_hit_the_right_pids(launch):
     p = inject(*tool, "--stop", "1")
     assert p.returncode == 0, p.stderr
     assert f"sent SIGSTOP to rank 1 (pid {info[1]['pid']})" in p.stdout
-    run.wait_keys([mb.key_failure(1)], timeout=20)
-    rec = mb.FailureRecord.from_json(run.store.get(mb.key_failure(1)))
+    run.wait_keys([key_failure(1)], timeout=20)
+    rec = FailureRecord.from_json(run.store.get(key_failure(1)))
     assert rec.cause == "hang" and "heartbeat silent" in rec.detail
     # --kill: exactly that pid dies
     p = inject(*tool, "--kill", "2")
     assert p.returncode == 0, p.stderr
-    run.wait_keys([mb.key_failure(2)], timeout=15)
-    rec = mb.FailureRecord.from_json(run.store.get(mb.key_failure(2)))
+    run.wait_keys([key_failure(2)], timeout=15)
+    rec = FailureRecord.from_json(run.store.get(key_failure(2)))
     assert rec.cause == "signal" and rec.detail == "SIGKILL"
     assert not alive(info[2]["pid"]) and alive(info[0]["pid"])
     again = inject(*tool, "--kill", "2")
@@ -374,7 +378,7 @@ def test_inject_failure_node_takes_agent_and_workers_and_the_other_agent_reports
     for run in runs:
         run.pids.update(i["pid"] for i in info.values())
     survivor.wait_keys([f"test/ready/{r}" for r in range(4)])
-    node = mb.node_info(survivor.store, victim)
+    node = node_info(survivor.store, victim)
     assert node["agent_pid"] == runs[victim].proc.pid
     lost = [r for r in range(4) if info[r]["node"] == victim]
     assert lost == node["ranks"] == [2 * victim, 2 * victim + 1]
@@ -386,10 +390,10 @@ def test_inject_failure_node_takes_agent_and_workers_and_the_other_agent_reports
     while any(alive(info[r]["pid"]) for r in lost) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(info[r]["pid"]) for r in lost)
-    survivor.wait_keys([mb.key_failure(r) for r in lost], timeout=30)
-    last_beat = float(survivor.store.get(mb.key_agent_hb(victim)))    # within 0.4 s of the kill
+    survivor.wait_keys([key_failure(r) for r in lost], timeout=30)
+    last_beat = float(survivor.store.get(key_agent_hb(victim)))    # within 0.4 s of the kill
     for r in lost:
-        rec = mb.FailureRecord.from_json(survivor.store.get(mb.key_failure(r)))
+        rec = FailureRecord.from_json(survivor.store.get(key_failure(r)))
         reported = rec.time - last_beat
         assert rec.cause == "node" and f"node {victim} agent heartbeat silent" in rec.detail
         assert rec.reporter.startswith(f"agent node {1 - victim} ")

@@ -17,7 +17,14 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext.control import membership as mb
+from chameleon_ext.control.agreement import (Agreement, AgreementTimeout, DivergedSteps,
+                                             ExcludedFromAgreement)
+from chameleon_ext.control.generations import PublishTimeout
+from chameleon_ext.control.keys import (KEY_GENERATION, gen_prefix, key_agent_done, key_agent_hb,
+                                        key_hb, key_worker)
+from chameleon_ext.control.membership import Membership
+from chameleon_ext.control.store import MembershipError, connect_store, parse_log, parse_store_spec
+from chameleon_ext.control.world import PeerLost, rebuild_world
 
 pytestmark = pytest.mark.slow
 
@@ -28,25 +35,25 @@ def _member(rank: int, world: int, addr: str, hb_timeout: float) -> None:
     """Agree on each generation the controller opens with test/go/{g}; results go to the store."""
     import torch
     torch.set_num_threads(1)
-    store = mb.connect_store(addr, timeout_s=60)
-    m = mb.Membership(store, rank, world, hb_timeout)
-    m.start_heartbeat(0.05)
+    store = connect_store(addr, timeout_s=60)
+    m = Membership(store, rank, world, hb_timeout)
+    m.heartbeat.start(0.05)
     store.set(f"test/ready/{rank}", str(os.getpid()))
     cand, g = list(range(world)), 1
     while True:
         store.wait([f"test/go/{g}"])      # blocks this thread; heartbeats go on (own connection)
         go = json.loads(store.get(f"test/go/{g}"))
         if go.get("stop"):
-            m.stop()
+            m.heartbeat.stop()
             return
         if rank in go.get("hold", []):
             store.wait([f"test/release/{g}/{rank}"])
         t0 = time.perf_counter()
         try:
-            ag = m.agree(g, cand, timeout_s=go.get("timeout", 20))
+            ag = m.agreements.agree(g, cand, timeout_s=go.get("timeout", 20))
             out = {"agreement": json.loads(ag.to_json()), "ms": (time.perf_counter() - t0) * 1e3}
             cand = ag.alive
-        except mb.MembershipError as e:
+        except MembershipError as e:
             out = {"error": type(e).__name__, "msg": str(e)}
         store.set(f"test/result/{g}/{rank}", json.dumps(out))
         g += 1
@@ -57,8 +64,8 @@ class Job:
 
     def __init__(self, addr: str, world: int, hb_timeout: float):
         self.world = world
-        self.store = mb.connect_store(addr, timeout_s=60)
-        self.m = mb.Membership(self.store, None, world, hb_timeout)
+        self.store = connect_store(addr, timeout_s=60)
+        self.m = Membership(self.store, None, world, hb_timeout)
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_member, args=(r, world, addr, hb_timeout),
                                   daemon=True) for r in range(world)]
@@ -132,13 +139,13 @@ def test_agree_after_sigkill_report_and_sigstop_staleness(job_factory):
     job = job_factory(4, hb_timeout=1.0)
     # SIGKILL rank 3; its agent (here: the test) reports it.
     job.kill(3)
-    job.m.report_failure(3, "signal", "SIGKILL", reporter="test")
+    job.m.failure_log.report_failure(3, "signal", "SIGKILL", reporter="test")
     job.go(1)
     res = job.results(1, [0, 1, 2])
     ag = _same_agreement(res)
     assert ag["generation"] == 1 and ag["alive"] == [0, 1, 2] and ag["failed"] == [3]
     assert ag["leader"] == 0 and ag["causes"] == {"3": "signal"}
-    assert job.store.get(mb.KEY_GENERATION) == b"1"
+    assert job.store.get(KEY_GENERATION) == b"1"
     print(f"agree among 3 survivors: {max(r['ms'] for r in res.values()):.1f} ms")
     # SIGSTOP rank 2: nobody reports it; its heartbeat goes stale after 1 s.
     job.kill(2, signal.SIGSTOP)
@@ -149,7 +156,7 @@ def test_agree_after_sigkill_report_and_sigstop_staleness(job_factory):
     ag = _same_agreement(res)
     assert ag["alive"] == [0, 1] and ag["failed"] == [2] and ag["causes"] == {"2": "stale"}
     assert 0.5 < waited < 5, waited
-    assert job.m.unreported_losses([0, 1, 2]) == {2: "stale"}
+    assert job.m.heartbeat.unreported_losses([0, 1, 2]) == {2: "stale"}
     job.go(3, stop=True)
 
 
@@ -157,17 +164,17 @@ def test_agree_after_sigkill_report_and_sigstop_staleness(job_factory):
 def test_leader_failing_during_agreement_still_converges(job_factory):
     job = job_factory(4, hb_timeout=30.0)
     job.kill(3)
-    job.m.report_failure(3, "signal", "SIGKILL", reporter="test")
+    job.m.failure_log.report_failure(3, "signal", "SIGKILL", reporter="test")
     job.go(1, hold=[2])                # rank 2 arrives late: no list can be published yet
-    arrivals = f"{mb.gen_prefix(1)}/arrivals"
+    arrivals = f"{gen_prefix(1)}/arrivals"
     deadline = time.monotonic() + 30
     while not (job.store.check([arrivals])
-               and {0, 1} <= set(mb._parse_log(job.store.get(arrivals)))):
+               and {0, 1} <= set(parse_log(job.store.get(arrivals)))):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert not job.store.check([f"{mb.gen_prefix(1)}/final"])
+    assert not job.store.check([f"{gen_prefix(1)}/final"])
     job.kill(0)                        # the would-be leader dies during agreement
-    job.m.report_failure(0, "signal", "SIGKILL", reporter="test")
+    job.m.failure_log.report_failure(0, "signal", "SIGKILL", reporter="test")
     job.store.set("test/release/1/2", "1")
     ag = _same_agreement(job.results(1, [1, 2]))
     assert ag["alive"] == [1, 2] and ag["failed"] == [0, 3] and ag["leader"] == 1
@@ -186,7 +193,7 @@ def store(store_addr):
 
 
 def _client(addr):
-    return mb.connect_store(addr, timeout_s=30)
+    return connect_store(addr, timeout_s=30)
 
 
 def _run_threads(fns):
@@ -207,76 +214,77 @@ def _run_threads(fns):
 
 @pytest.mark.timeout(30)
 def test_timeout_names_the_missing_ranks(store):
-    ms = {r: mb.Membership(_client(store), r, 3, heartbeat_timeout=30) for r in range(3)}
-    ms[2].start_heartbeat(0.05)        # alive but never arrives
+    ms = {r: Membership(_client(store), r, 3, heartbeat_timeout=30) for r in range(3)}
+    ms[2].heartbeat.start(0.05)        # alive but never arrives
     try:
-        out = _run_threads({r: (lambda r=r: ms[r].agree(1, [0, 1, 2], timeout_s=0.5))
+        out = _run_threads({r: (lambda r=r: ms[r].agreements.agree(1, [0, 1, 2], timeout_s=0.5))
                             for r in (0, 1)})
     finally:
-        ms[2].stop()
+        ms[2].heartbeat.stop()
     for r in (0, 1):
         e = out[r]
-        assert isinstance(e, mb.AgreementTimeout), e
+        assert isinstance(e, AgreementTimeout), e
         assert e.missing == [2] and "ranks [2] never arrived" in str(e)
         assert "generation 1" in str(e) and "0.5 s" in str(e)
 
 
 @pytest.mark.timeout(30)
 def test_failure_records_publish_read_and_exclusion(store):
-    obs = mb.Membership(_client(store), None, 4, heartbeat_timeout=30)
-    first = obs.report_failure(2, "exit", "exit code 1", detect_ms=3.5)
-    again = obs.report_failure(2, "comm", "later report")
+    obs = Membership(_client(store), None, 4, heartbeat_timeout=30)
+    first = obs.failure_log.report_failure(2, "exit", "exit code 1", detect_ms=3.5)
+    again = obs.failure_log.report_failure(2, "comm", "later report")
     assert again.cause == "exit" and again.detail == "exit code 1"   # the first report wins
     assert first.detect_ms == 3.5
     with pytest.raises(ValueError, match="unknown failure cause"):
-        obs.report_failure(1, "gremlins")
-    fresh = mb.Membership(_client(store), None, 4, heartbeat_timeout=30)
-    assert list(fresh.failures()) == [2] and fresh.failures()[2].cause == "exit"
+        obs.failure_log.report_failure(1, "gremlins")
+    fresh = Membership(_client(store), None, 4, heartbeat_timeout=30)
+    assert list(fresh.failure_log.failures()) == [2]
+    assert fresh.failure_log.failures()[2].cause == "exit"
     # a reported rank calling agree() is told it is out
-    m2 = mb.Membership(_client(store), 2, 4, heartbeat_timeout=30)
-    with pytest.raises(mb.ExcludedFromAgreement):
-        m2.agree(1, [0, 1, 2, 3], timeout_s=1)
+    m2 = Membership(_client(store), 2, 4, heartbeat_timeout=30)
+    with pytest.raises(ExcludedFromAgreement):
+        m2.agreements.agree(1, [0, 1, 2, 3], timeout_s=1)
     # clean exits are not failures, but are not expected at agreement either
-    obs.record_exit(3)
-    assert obs.exited() == [3] and 3 not in obs.failures()
-    ms = {r: mb.Membership(_client(store), r, 4, heartbeat_timeout=30) for r in (0, 1)}
-    out = _run_threads({r: (lambda r=r: ms[r].agree(1, [0, 1, 2, 3], timeout_s=5))
+    obs.failure_log.record_exit(3)
+    assert obs.failure_log.exited() == [3] and 3 not in obs.failure_log.failures()
+    ms = {r: Membership(_client(store), r, 4, heartbeat_timeout=30) for r in (0, 1)}
+    out = _run_threads({r: (lambda r=r: ms[r].agreements.agree(1, [0, 1, 2, 3], timeout_s=5))
                         for r in (0, 1)})
     assert out[0] == out[1] and out[0].alive == [0, 1]
     assert out[0].causes == {2: "exit", 3: "exited"} and out[0].new_rank(1) == 1
     # the leader publishes a plan; the others read it
-    ms[0].publish(1, "plan", json.dumps({"pipelines": 1}))
-    assert json.loads(ms[1].read(1, "plan", timeout_s=1)) == {"pipelines": 1}
-    with pytest.raises(mb.PublishTimeout, match="within 0.2 s"):
-        ms[1].read(1, "nothing", timeout_s=0.2)
-    obs.report_failure(0, "signal", "SIGKILL")
-    with pytest.raises(mb.PublishTimeout, match="publisher rank 0 failed"):
-        ms[1].read(1, "other", timeout_s=5, publisher=0)
+    ms[0].generations.publish(1, "plan", json.dumps({"pipelines": 1}))
+    assert json.loads(ms[1].generations.read(1, "plan", timeout_s=1)) == {"pipelines": 1}
+    with pytest.raises(PublishTimeout, match="within 0.2 s"):
+        ms[1].generations.read(1, "nothing", timeout_s=0.2)
+    obs.failure_log.report_failure(0, "signal", "SIGKILL")
+    with pytest.raises(PublishTimeout, match="publisher rank 0 failed"):
+        ms[1].generations.read(1, "other", timeout_s=5, publisher=0)
 
 
 @pytest.mark.timeout(30)
 def test_heartbeat_staleness_and_node_agents(store):
     c = _client(store)
-    obs = mb.Membership(c, None, 4, heartbeat_timeout=1.0)
+    obs = Membership(c, None, 4, heartbeat_timeout=1.0)
     now = time.time()
-    c.set(mb.key_hb(0), f"{now:.6f}")
-    c.set(mb.key_hb(1), f"{now - 5:.6f}")
-    c.set(mb.key_hb(2), f"off:{now - 5:.6f}")        # retired on purpose: not stale
-    assert obs.unreported_losses([0, 1, 2, 3]) == {1: "stale"}   # 3: no heartbeat ever
+    c.set(key_hb(0), f"{now:.6f}")
+    c.set(key_hb(1), f"{now - 5:.6f}")
+    c.set(key_hb(2), f"off:{now - 5:.6f}")        # retired on purpose: not stale
+    assert obs.heartbeat.unreported_losses([0, 1, 2, 3]) == {1: "stale"}   # 3: no heartbeat ever
     # rank 3 runs on node 1 whose agent went silent: stale through its node
-    c.set(mb.key_worker(3), json.dumps({"rank": 3, "node": 1, "pid": 1, "host": "h"}))
-    c.set(mb.key_agent_hb(1), f"{now - 5:.6f}")
-    assert obs.unreported_losses([0, 3]) == {3: "node"}
-    c.set(mb.key_agent_done(1), "1")                   # ...unless that agent finished
-    assert obs.unreported_losses([0, 3]) == {}
-    m = mb.Membership(_client(store), 0, 4, heartbeat_timeout=1.0)
-    m.start_heartbeat(0.05)
+    c.set(key_worker(3), json.dumps({"rank": 3, "node": 1, "pid": 1, "host": "h"}))
+    c.set(key_agent_hb(1), f"{now - 5:.6f}")
+    assert obs.heartbeat.unreported_losses([0, 3]) == {3: "node"}
+    c.set(key_agent_done(1), "1")                   # ...unless that agent finished
+    assert obs.heartbeat.unreported_losses([0, 3]) == {}
+    m = Membership(_client(store), 0, 4, heartbeat_timeout=1.0)
+    m.heartbeat.start(0.05)
     try:
         time.sleep(0.2)
-        assert m.heartbeat_ages([0])[0] < 0.5
+        assert m.heartbeat.ages([0])[0] < 0.5
     finally:
-        m.stop()
-    assert m.heartbeat_ages([0]) == {}                  # retired
+        m.heartbeat.stop()
+    assert m.heartbeat.ages([0]) == {}                  # retired
 
 
 @pytest.mark.timeout(30)
@@ -285,99 +293,100 @@ def test_a_lost_node_is_told_apart_from_a_silent_worker(store):
     worker whose agent lives is left to that agent (it kills and reports it); a silent worker
     with no agent watching is "stale"."""
     c = _client(store)
-    obs = mb.Membership(c, None, 6, heartbeat_timeout=1.0)
+    obs = Membership(c, None, 6, heartbeat_timeout=1.0)
     now = time.time()
     for r in range(6):
-        c.set(mb.key_worker(r), json.dumps({"rank": r, "node": r // 2, "pid": 1, "host": "h"}))
-    c.set(mb.key_agent_hb(0), f"{now:.6f}")             # node 0: its agent lives
-    c.set(mb.key_agent_hb(1), f"{now - 5:.6f}")         # node 1: lost
-    c.set(mb.key_hb(0), f"{now:.6f}")
-    c.set(mb.key_hb(1), f"{now - 5:.6f}")               # silent, watched by node 0's agent
-    c.set(mb.key_hb(2), f"{now:.6f}")                   # last beat before its node went
-    c.set(mb.key_hb(3), f"{now - 5:.6f}")
-    c.set(mb.key_hb(4), f"{now - 5:.6f}")               # node 2: no agent heartbeat at all
-    assert obs.unreported_losses(list(range(6))) == {2: "node", 3: "node", 4: "stale"}
+        c.set(key_worker(r), json.dumps({"rank": r, "node": r // 2, "pid": 1, "host": "h"}))
+    c.set(key_agent_hb(0), f"{now:.6f}")             # node 0: its agent lives
+    c.set(key_agent_hb(1), f"{now - 5:.6f}")         # node 1: lost
+    c.set(key_hb(0), f"{now:.6f}")
+    c.set(key_hb(1), f"{now - 5:.6f}")               # silent, watched by node 0's agent
+    c.set(key_hb(2), f"{now:.6f}")                   # last beat before its node went
+    c.set(key_hb(3), f"{now - 5:.6f}")
+    c.set(key_hb(4), f"{now - 5:.6f}")               # node 2: no agent heartbeat at all
+    assert obs.heartbeat.unreported_losses(list(range(6))) == {2: "node", 3: "node", 4: "stale"}
 
 
 def test_store_spec_errors(monkeypatch):
-    assert mb.parse_store_spec("127.0.0.1:29500") == ("127.0.0.1", 29500)
-    assert mb.parse_store_spec("[::1]:5") == ("::1", 5)
+    assert parse_store_spec("127.0.0.1:29500") == ("127.0.0.1", 29500)
+    assert parse_store_spec("[::1]:5") == ("::1", 5)
     for bad, words in [("nohost", "not host:port"), ("h:x", "not an integer"),
                        ("h:70000", "out of range")]:
         with pytest.raises(ValueError, match=words):
-            mb.parse_store_spec(bad)
+            parse_store_spec(bad)
     monkeypatch.delenv("CHAMELEON_STORE", raising=False)
-    with pytest.raises(mb.MembershipError, match="CHAMELEON_STORE is not set"):
-        mb.connect_store()
+    with pytest.raises(MembershipError, match="CHAMELEON_STORE is not set"):
+        connect_store()
 
 
 def test_detection_is_timed_from_the_death_to_the_first_notice(store_addr):
     """The first survivor's notice wins; a death is timed by the victim's own announcement
     where it made one, else by the agent's record less the agent's latency."""
     store = _client(store_addr)
-    a, b = mb.Membership(store, 0, 3, 5.0), mb.Membership(store, 1, 3, 5.0)
-    assert a.notice(1, when=100.25) == 100.25
-    assert b.notice(1, when=100.5) == 100.25
-    rec = a.report_failure(2, "signal", "SIGKILL", when=100.3, detect_ms=40.0)
-    assert a.death_time(2, rec) == pytest.approx(100.26)
-    victim = mb.Membership(store, 2, 3, 5.0)
-    victim.announce_death()
-    assert abs(a.death_time(2, rec) - time.time()) < 5
+    a, b = Membership(store, 0, 3, 5.0), Membership(store, 1, 3, 5.0)
+    assert a.agreements.notice(1, when=100.25) == 100.25
+    assert b.agreements.notice(1, when=100.5) == 100.25
+    rec = a.failure_log.report_failure(2, "signal", "SIGKILL", when=100.3, detect_ms=40.0)
+    assert a.failure_log.death_time(2, rec) == pytest.approx(100.26)
+    victim = Membership(store, 2, 3, 5.0)
+    victim.failure_log.announce_death()
+    assert abs(a.failure_log.death_time(2, rec) - time.time()) < 5
 
 
 @pytest.mark.timeout(30)
 def test_a_step_commits_only_with_every_vote(store):
     """The step's vote: all three ranks vote, all commit; in the next iteration rank 2 dies
     before voting, so the two that voted read "abort", also after the fact."""
-    ms = {r: mb.Membership(_client(store), r, 3, heartbeat_timeout=30) for r in range(3)}
-    out = _run_threads({r: (lambda r=r: ms[r].commit(1, 7, [0, 1, 2], timeout_s=10))
+    ms = {r: Membership(_client(store), r, 3, heartbeat_timeout=30) for r in range(3)}
+    out = _run_threads({r: (lambda r=r: ms[r].step_vote.commit(1, 7, [0, 1, 2], timeout_s=10))
                         for r in range(3)})
     assert out == {0: True, 1: True, 2: True}
-    ms[0].report_failure(2, "signal", "SIGKILL")
-    out = _run_threads({r: (lambda r=r: ms[r].commit(1, 8, [0, 1, 2], timeout_s=10))
+    ms[0].failure_log.report_failure(2, "signal", "SIGKILL")
+    out = _run_threads({r: (lambda r=r: ms[r].step_vote.commit(1, 8, [0, 1, 2], timeout_s=10))
                         for r in (0, 1)})
     assert out == {0: False, 1: False}
     # a late vote cannot turn the decision: it is written once
-    assert ms[2].commit(1, 8, [0, 1, 2], timeout_s=1) is False
+    assert ms[2].step_vote.commit(1, 8, [0, 1, 2], timeout_s=1) is False
 
 
 @pytest.mark.timeout(30)
 def test_a_vote_aborts_when_a_peer_gives_up_on_the_world(store):
     """A rank whose collective failed goes into recovery without voting (it notices the
     broken world): the voters abort at once instead of waiting out their timeout."""
-    ms = {r: mb.Membership(_client(store), r, 2, heartbeat_timeout=30) for r in range(2)}
-    ms[1].notice(2)
+    ms = {r: Membership(_client(store), r, 2, heartbeat_timeout=30) for r in range(2)}
+    ms[1].agreements.notice(2)
     t0 = time.monotonic()
-    assert ms[0].commit(1, 3, [0, 1], timeout_s=20) is False
+    assert ms[0].step_vote.commit(1, 3, [0, 1], timeout_s=20) is False
     assert time.monotonic() - t0 < 5
 
 
 @pytest.mark.timeout(30)
 def test_the_agreement_proves_the_survivors_applied_the_same_steps(store):
-    ms = {r: mb.Membership(_client(store), r, 3, heartbeat_timeout=30) for r in range(3)}
-    out = _run_threads({r: (lambda r=r: ms[r].agree(1, [0, 1, 2], timeout_s=5, iteration=9))
+    ms = {r: Membership(_client(store), r, 3, heartbeat_timeout=30) for r in range(3)}
+    out = _run_threads({r: (lambda r=r: ms[r].agreements.agree(1, [0, 1, 2], timeout_s=5,
+                                                               iteration=9))
                         for r in range(3)})
     assert all(ag.iteration == 9 for ag in out.values())
-    out = _run_threads({r: (lambda r=r: ms[r].agree(2, [0, 1, 2], timeout_s=2,
-                                                    iteration=9 + (r == 2)))
+    out = _run_threads({r: (lambda r=r: ms[r].agreements.agree(2, [0, 1, 2], timeout_s=2,
+                                                               iteration=9 + (r == 2)))
                         for r in range(3)})
-    assert isinstance(out[0], mb.DivergedSteps), out
+    assert isinstance(out[0], DivergedSteps), out
     assert "{0: 9, 1: 9, 2: 10}" in str(out[0])
 
 
 def _rendezvous(rank: int, addr: str, world: int, generation: int, queue) -> None:
     import torch
-    store = mb.connect_store(addr, timeout_s=30)
-    m = mb.Membership(store, rank, world, heartbeat_timeout=30)
-    ag = mb.Agreement(generation, list(range(world)), [], 0)
+    store = connect_store(addr, timeout_s=30)
+    m = Membership(store, rank, world, heartbeat_timeout=30)
+    ag = Agreement(generation, list(range(world)), [], 0)
     t0 = time.monotonic()
     try:
-        mb.rebuild_world(store, ag, rank, "gloo", timeout_s=20, members=m)
+        rebuild_world(store, ag, rank, "gloo", timeout_s=20, members=m)
         t = torch.ones(2) * (rank + 1)
         dist.all_reduce(t)
         queue.put((rank, "ok", t.tolist(), time.monotonic() - t0))
         dist.destroy_process_group()
-    except mb.PeerLost as e:
+    except PeerLost as e:
         queue.put((rank, "lost", str(e), time.monotonic() - t0))
 
 
@@ -399,7 +408,7 @@ def test_a_rendezvous_gives_up_at_once_when_a_member_is_lost(store):
     for p in procs:
         p.start()
     time.sleep(1.0)
-    mb.Membership(_client(store), None, 3).report_failure(2, "signal", "SIGKILL")
+    Membership(_client(store), None, 3).failure_log.report_failure(2, "signal", "SIGKILL")
     lost = sorted(queue.get(timeout=40) for _ in procs)
     for p in procs:
         p.join(10)

@@ -41,7 +41,7 @@ def _losses_and_grads(tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, d
     from megatron.elastic import parallel_state, stage_model
 
     plan = ExecutionPlan.failure_free(2, tp, 1, 2, BATCH, BATCH * (2 // tp))
-    parallel_state.initialize(plan, rank)
+    groups = parallel_state.initialize(plan, rank)
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=64, gated_linear_unit=True, activation_func=F.silu,
@@ -50,7 +50,8 @@ def _losses_and_grads(tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, d
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                      vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True,
-                     post_process=True, share_embeddings_and_output_weights=True)
+                     post_process=True, share_embeddings_and_output_weights=True,
+                     pg_collection=parallel_state.collection(groups))
     tp_rank = plan.position(rank).tp_rank
     stage_model.init_parameters(model, seed=7, layer_offset=0, pre_process=True, total_layers=2,
                                 init_std=0.02, tp_rank=tp_rank, tp_size=tp, tied_output=True)

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from chameleon_ext.control import membership as mb
+from chameleon_ext.control.membership import Membership
+from chameleon_ext.control.store import connect_store
 from tests.etcd_cluster import EtcdCluster
 from tests.launch import (SMALL_MODEL, LateKill, assert_close, free_port, last_losses, run_job,
                           run_nodes)
@@ -141,11 +142,11 @@ def test_on_etcd_the_job_does_not_notice_the_loss_of_the_etcd_leader(reference, 
         killed: list[float] = []
 
         def kill_leader_after_iteration_3() -> None:
-            store = mb.connect_store(url, timeout_s=60)
-            m = mb.Membership(store, None, 4)
+            store = connect_store(url, timeout_s=60)
+            m = Membership(store, None, 4)
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline:
-                progress = m.progress_of([0]).get(0)
+                progress = m.heartbeat.progress_of([0]).get(0)
                 if progress is not None and progress.iteration > 3:
                     cluster.kill(leader)
                     killed.append(time.time())

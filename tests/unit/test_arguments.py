@@ -77,11 +77,46 @@ def test_help_groups_chameleon_flags():
 
 
 def test_placement_is_spread_with_chameleon_and_megatron_without():
-    from megatron.training.arguments import parse_args
-    assert parse_args(BASE + ["--chameleon"], world_size=1).chameleon_placement == "spread"
-    assert parse_args(BASE, world_size=1).chameleon_placement == "megatron"
-    assert parse_args(BASE + ["--chameleon-placement", "spread"],
-                      world_size=1).chameleon_placement == "spread"
+    from megatron.training.arguments import parse_config
+    assert parse_config(BASE + ["--chameleon"], world_size=1).parallel.placement == "spread"
+    assert parse_config(BASE, world_size=1).parallel.placement == "megatron"
+    assert parse_config(BASE + ["--chameleon-placement", "spread"],
+                        world_size=1).parallel.placement == "spread"
     r = run_script(BASE + ["--chameleon-placement", "round-robin"])
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "--chameleon-placement: invalid choice: 'round-robin'" in r.stderr
+
+
+@pytest.mark.parametrize("flags, heartbeat, message", [
+    (["--chameleon-progress-timeout", "2"], "5",
+     "--chameleon-progress-timeout 2 s is below chameleon-launch's --heartbeat-timeout 5 s"),
+    (["--chameleon-progress-timeout", "60"], "5",
+     "--chameleon-progress-timeout 60 s is not below --chameleon-agree-timeout 60 s"),
+    (["--chameleon-agree-timeout", "20"], "30",
+     "chameleon-launch's --heartbeat-timeout 30 s is not below --chameleon-agree-timeout 20 s"),
+    (["--chameleon-comm-timeout", "90"], "5",
+     "--chameleon-comm-timeout 90 s is above --chameleon-agree-timeout 60 s"),
+    (["--chameleon-save-timeout", "4"], "5",
+     "--chameleon-save-timeout 4 s is below --chameleon-comm-timeout 5 s"),
+    (["--chameleon-rendezvous-timeout", "0"], "5",
+     "--chameleon-rendezvous-timeout must be positive"),
+])
+def test_timeouts_that_contradict_each_other_exit_2_with_one_line(flags, heartbeat, message):
+    r = run_script(BASE + flags, env={"CHAMELEON_HEARTBEAT_TIMEOUT": heartbeat})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_inject_takes_specs_separated_by_semicolons_and_repeated_flags():
+    from megatron.training.arguments import parse_config
+    config = parse_config(BASE + ["--chameleon-inject", "kill:rank=1,iter=3;exit:rank=0,iter=4",
+                                  "--chameleon-inject", "hang:rank=2,iter=5"], world_size=1)
+    assert [(s.kind, s.rank, s.iteration) for s in config.elastic.inject] == [
+        ("kill", 1, 3), ("exit", 0, 4), ("hang", 2, 5)]
+    r = run_script(BASE + ["--chameleon-inject", "kill:rank=1,iter=3;kill:rank=1"])
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--chameleon-inject: fault spec 'kill:rank=1': missing iter=" \
+        in lines[0], r.stderr

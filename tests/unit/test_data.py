@@ -1,4 +1,4 @@
-"""The data room: tools/preprocess_data.py, the built-in corpus, build_gpt_datasets, MicroBatchLoader."""
+"""The data room: preprocessing (and tools/preprocess_data.py), the built-in corpus, build_gpt_datasets, MicroBatchLoader."""
 
 import json
 import os
@@ -13,8 +13,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.training.builtin_data import builtin_corpus_files, ensure_builtin_dataset
 from megatron.training.data import (DataError, DatasetExhaustedError, MicroBatchLoader,
                                     build_gpt_datasets, parse_data_path)
+from megatron.training.preprocess import PreprocessError, preprocess
 from megatron.training.tokenizer import build_tokenizer
-from tools.preprocess_data import PreprocessError, preprocess
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,6 @@
 and the flags' checks."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +10,7 @@ from chameleon_ext.planning.perf_model import MIB, ModelShape, ProfileCosts
 from chameleon_ext.schedule.ir import Op, OpKind
 from megatron.elastic.emulation import (STORAGE_MIB_PER_S, Emulation, OverrunCount,
                                         emulated_profile, emulation_event)
+from megatron.training.config import LoggingConfig
 from megatron.training.reporting import Reporter
 from tests.launch import run_script
 from tests.profiles import synthetic_profile
@@ -165,7 +165,7 @@ def test_a_run_with_more_than_one_percent_overruns_is_invalid():
 
 def test_an_invalid_run_says_so_in_one_line_and_in_its_event(tmp_path, capsys):
     path = tmp_path / "m.jsonl"
-    reporter = Reporter(SimpleNamespace(chameleon_metrics_file=str(path), tensorboard_dir=None),
+    reporter = Reporter(LoggingConfig(metrics_file=str(path)), train_iters=1, seq_length=32,
                         lead=True)
     reporter.emulation(emulation_event([OverrunCount(100, 0)], 4.0))
     reporter.emulation(emulation_event([OverrunCount(100, 2)], 4.0))

@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext.control import membership as mb
+from chameleon_ext.control.keys import key_worker
+from chameleon_ext.control.store import MembershipError, connect_store, nodes_from_store
 from chameleon_ext.plan import placement as pl
 from chameleon_ext.plan.execution_plan import PlanError
 
@@ -110,14 +111,14 @@ def test_one_node_keeps_megatrons_order():
 def test_nodes_come_from_the_launchers_worker_records():
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
                           wait_for_workers=False)
-    agents = mb.connect_store(f"127.0.0.1:{store.port}")      # the agents' own connection
+    agents = connect_store(f"127.0.0.1:{store.port}")      # the agents' own connection
 
     def record(r, n):
-        agents.set(mb.key_worker(r), json.dumps({"rank": r, "node": n, "pid": 1, "host": "h"}))
+        agents.set(key_worker(r), json.dumps({"rank": r, "node": n, "pid": 1, "host": "h"}))
     for r, n in blocks(2, 2).items():
         if r != 3:
             record(r, n)
     threading.Timer(0.3, record, (3, 1)).start()       # node 1's agent, a little late
-    assert mb.nodes_from_store(store, 4, timeout_s=10) == blocks(2, 2)
-    with pytest.raises(mb.MembershipError, match=r"ranks \[4, 5\] have no worker record .* 0.2 s"):
-        mb.nodes_from_store(store, 6, timeout_s=0.2)
+    assert nodes_from_store(store, 4, timeout_s=10) == blocks(2, 2)
+    with pytest.raises(MembershipError, match=r"ranks \[4, 5\] have no worker record .* 0.2 s"):
+        nodes_from_store(store, 6, timeout_s=0.2)

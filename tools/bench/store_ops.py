@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 
-from chameleon_ext.control import membership as mb  # noqa: E402
+from chameleon_ext.control.store import connect_store  # noqa: E402
 from tests.etcd_cluster import EtcdCluster  # noqa: E402
 
 KEYS = [f"k{i}" for i in range(16)]
@@ -56,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
                            wait_for_workers=False)
-    tcp = rates(mb.connect_store(f"127.0.0.1:{server.port}"), a.seconds)
+    tcp = rates(connect_store(f"127.0.0.1:{server.port}"), a.seconds)
     with tempfile.TemporaryDirectory(prefix="store_ops_") as tmp:
         cluster = EtcdCluster(Path(tmp))
         try:
-            etcd = rates(mb.connect_store(cluster.url("bench")), a.seconds)
+            etcd = rates(connect_store(cluster.url("bench")), a.seconds)
         finally:
             cluster.stop()
     print(f"{'operation':<15}{'TCPStore op/s':>15}{'etcd op/s':>12}{'etcd ms/op':>12}")

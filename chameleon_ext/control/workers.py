@@ -1,0 +1,174 @@
+"""One node's worker processes: their environment, starting and restarting them (each in a
+session of its own, so its whole process group can be signalled), signalling and reaping them.
+Every worker's pid and host are published at ``chameleon/worker/{rank}`` as it starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from typing import Callable
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+from chameleon_ext.control.agent_log import log
+from chameleon_ext.control.agent_store import AgentStore, StoreGuard
+from chameleon_ext.control.keys import (HEARTBEAT_ENV, JOIN_ENV, KEY_NEXT_MEMBER, STORE_ENV,
+                                        key_node, key_worker)
+from chameleon_ext.control.launch_config import LaunchConfig
+
+
+class Workers:
+    """The workers of node `config.node_rank`, by local rank. `reinstall_signals` runs after
+    each start (start_processes installs handlers that raise SignalException)."""
+
+    def __init__(self, config: LaunchConfig, opened: AgentStore, guard: StoreGuard,
+                 reinstall_signals: Callable[[], None]):
+        self.config = config
+        self.opened = opened
+        self.guard = guard
+        self.reinstall_signals = reinstall_signals
+        self.nproc = config.nproc_per_node
+        self.node = config.node_rank
+        self.world_size = config.world_size
+        self.ranks = [self.node * self.nproc + lr for lr in range(self.nproc)]
+        self.running: dict[int, object] = {}     # local rank -> Popen
+        self.pids: dict[int, int] = {}
+        self.outcome: dict[int, int] = {}         # local rank -> return code
+        self.reported: set[int] = set()           # global ranks reported failed by this agent
+        self.restarts = 0
+        self.contexts: list = []                  # of start_processes: the first, then restarts
+        self.tmp_log_dir: str | None = None
+
+    def _envs(self) -> dict[int, dict[str, str]]:
+        c, opened = self.config, self.opened
+        envs = {}
+        for lr, rank in enumerate(self.ranks):
+            restarted = rank >= self.world_size
+            e = {
+                "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(self.nproc),
+                "GROUP_RANK": str(self.node), "GROUP_WORLD_SIZE": str(c.nnodes),
+                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size),
+                "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "chameleon",
+                "TORCHELASTIC_RESTART_COUNT": str(self.restarts if restarted else 0),
+                "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
+                STORE_ENV: opened.addr,
+                HEARTBEAT_ENV: repr(float(c.heartbeat_timeout_s)),
+                "CHAMELEON_NODE_RANK": str(self.node),
+            }
+            if opened.host is not None:     # a TCPStore: env:// can rendezvous on it
+                e.update({"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": opened.host,
+                          "MASTER_PORT": str(opened.port)})
+            if "OMP_NUM_THREADS" not in os.environ:
+                e["OMP_NUM_THREADS"] = "1"
+            if restarted:
+                e[JOIN_ENV] = "1"
+            envs[lr] = e
+        return envs
+
+    def _entry(self) -> tuple[str, tuple[str, ...]]:
+        c = self.config
+        if c.no_python:
+            return c.training_script, tuple(c.training_script_args)
+        if c.module:
+            return sys.executable, ("-u", "-m", c.training_script, *c.training_script_args)
+        return sys.executable, ("-u", c.training_script, *c.training_script_args)
+
+    def _launch(self, local_ranks: list[int]) -> None:
+        """start_processes for these local ranks (their ranks and environment as now)."""
+        c = self.config
+        entry, args = self._entry()
+        envs = self._envs()
+        if c.log_dir:
+            specs = DefaultLogsSpecs(log_dir=c.log_dir, redirects=Std.ALL, tee=Std.ALL)
+            prefixes = {i: f"[rank{self.ranks[lr]}]:" for i, lr in enumerate(local_ranks)}
+        else:
+            if self.tmp_log_dir is None:
+                self.tmp_log_dir = tempfile.mkdtemp(prefix="chameleon_launch_")
+            specs, prefixes = DefaultLogsSpecs(log_dir=self.tmp_log_dir), None
+        ctx = start_processes(name="chameleon", entrypoint=entry,
+                              args={i: args for i in range(len(local_ranks))},
+                              envs={i: envs[lr] for i, lr in enumerate(local_ranks)},
+                              logs_specs=specs, log_line_prefixes=prefixes)
+        self.contexts.append(ctx)
+        self.reinstall_signals()
+        now = time.time()
+        hostname = socket.gethostname()
+        for i, lr in enumerate(local_ranks):
+            proc = ctx.subprocess_handlers[i].proc
+            self.running[lr] = proc
+            self.pids[lr] = proc.pid
+            try:
+                pgid = os.getpgid(proc.pid)
+            except ProcessLookupError:
+                pgid = proc.pid
+            rank = self.ranks[lr]
+            self.guard.call(self.opened.store.set, key_worker(rank), json.dumps(
+                {"rank": rank, "local_rank": lr, "node": self.node, "host": hostname,
+                 "pid": proc.pid, "pgid": pgid, "agent_pid": os.getpid(), "started": now}))
+
+    def start(self) -> None:
+        self._launch(list(range(self.nproc)))
+        self.guard.call(self.opened.store.set, key_node(self.node), json.dumps(
+            {"node": self.node, "host": socket.gethostname(), "agent_pid": os.getpid(),
+             "ranks": self.ranks, "started": time.time()}))
+        pids = ", ".join(str(self.pids[lr]) for lr in range(self.nproc))
+        span = (f"rank {self.ranks[0]}" if self.nproc == 1
+                else f"ranks {self.ranks[0]}-{self.ranks[-1]}")
+        log(f"node {self.node}: started {self.nproc} worker(s), {span} of {self.world_size} "
+            f"(pids {pids}); store {self.opened.addr}")
+
+    def restart(self, lr: int) -> None:
+        """Start a failed worker's slot again under a new rank (world_size + the job's count of
+        restarts so far): its old rank stays failed on the store; the new one joins."""
+        count = self.guard.call(self.opened.store.add, KEY_NEXT_MEMBER, 1)
+        if count is None:
+            return
+        old, self.restarts = self.ranks[lr], self.restarts + 1
+        self.ranks[lr] = self.world_size + count - 1
+        self._launch([lr])
+        log(f"restarted worker rank {old} as rank {self.ranks[lr]} (pid {self.pids[lr]}), "
+            f"restart {self.restarts} of --max-restarts {self.config.max_restarts}; it joins "
+            "the running job")
+
+    def signal(self, lr: int, sig: int) -> None:
+        pid = self.pids[lr]
+        try:
+            os.killpg(pid, sig)       # each worker leads its own session / process group
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def signal_all(self, sig: int) -> None:
+        for lr in list(self.running):
+            self.signal(lr, sig)
+
+    def reap(self) -> list[tuple[int, int]]:
+        """(local rank, return code) of each worker that ended since the last look."""
+        done = []
+        for lr, proc in list(self.running.items()):
+            rc = proc.poll()
+            if rc is not None:
+                del self.running[lr]
+                self.outcome[lr] = rc
+                done.append((lr, rc))
+        return done
+
+    def close(self) -> None:
+        """Let go of every start_processes context and the temporary log directory."""
+        for ctx in self.contexts:
+            try:
+                ctx.close(timeout=1)
+            except Exception:
+                pass
+        if self.tmp_log_dir:
+            shutil.rmtree(self.tmp_log_dir, ignore_errors=True)

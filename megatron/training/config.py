@@ -1,0 +1,137 @@
+"""One typed configuration of a job: Megatron-LM's flags (megatron.training.arguments) are
+parsed and turned into a JobConfig once, and every part of the job takes its own part of it.
+
+Every field says the flag it comes from; derived defaults (the FFN size, the data-parallel
+size, the LR decay span, the backend) are filled in before it is built. Times are seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron.elastic.config import ElasticConfig
+from megatron.training.tokenizer import TokenizerType
+
+PositionEmbedding = Literal["learned_absolute", "rope"]
+Normalization = Literal["LayerNorm", "RMSNorm"]
+TransformerImpl = Literal["local", "transformer_engine"]
+Backend = Literal["nccl", "gloo"]
+Placement = Literal["spread", "megatron"]
+LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT model (the "network size" flags)."""
+
+    num_layers: int                          # --num-layers
+    hidden_size: int                         # --hidden-size
+    num_attention_heads: int                 # --num-attention-heads
+    ffn_hidden_size: int                     # --ffn-hidden-size (default 4 x hidden size)
+    seq_length: int                          # --seq-length
+    max_position_embeddings: int             # --max-position-embeddings (default seq length)
+    make_vocab_size_divisible_by: int        # --make-vocab-size-divisible-by
+    position_embedding_type: PositionEmbedding = "learned_absolute"
+    normalization: Normalization = "LayerNorm"
+    tied_embeddings: bool = True             # not --untie-embeddings-and-output-weights
+    hidden_dropout: float = 0.1              # --hidden-dropout
+    attention_dropout: float = 0.1           # --attention-dropout
+    init_method_std: float = 0.02            # --init-method-std
+    transformer_impl: TransformerImpl = "local"   # --transformer-impl (default: TE with CUDA)
+    bf16: bool = False                       # --bf16
+    fp16: bool = False                       # --fp16
+    # The tokenizer's vocabulary padded to a multiple of --make-vocab-size-divisible-by; known
+    # once the tokenizer is built (training.pretrain), 0 until then.
+    padded_vocab_size: int = 0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The world and its failure-free layout."""
+
+    world_size: int                          # WORLD_SIZE of the launcher
+    tensor_parallel: int = 1                 # --tensor-model-parallel-size
+    pipeline_parallel: int = 1               # --pipeline-model-parallel-size
+    # world / (TP x PP); None with --chameleon-plan, whose pipelines set it
+    data_parallel: int | None = 1
+    backend: Backend = "gloo"                # --distributed-backend (default: nccl with CUDA)
+    # Generation 0's rendezvous and the world's operations until training starts (the dataset
+    # builder holds every rank in a barrier while rank 0 writes its index cache):
+    # --distributed-timeout-minutes, converted once. Megatron-LM's default, 10 minutes.
+    distributed_timeout_s: float = 600.0
+    plan_file: str | None = None             # --chameleon-plan: an ExecutionPlan (JSON) to run
+    # --chameleon-placement under chameleon-launch: spread (each stage's replicas on different
+    # nodes; the default with --chameleon) or megatron (Megatron's rank order)
+    placement: Placement = "megatron"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Batches, iterations, the learning-rate schedule, the optimizer and evaluation."""
+
+    micro_batch_size: int                    # --micro-batch-size
+    global_batch_size: int                   # --global-batch-size (a --chameleon-plan's own)
+    train_iters: int                         # --train-iters
+    seed: int = 1234                         # --seed
+    lr: float = 1e-3                         # --lr
+    min_lr: float = 0.0                      # --min-lr
+    lr_decay_style: LRDecayStyle = "linear"  # --lr-decay-style
+    lr_warmup_iters: int = 0                 # --lr-warmup-iters
+    lr_decay_iters: int = 0                  # --lr-decay-iters (default --train-iters)
+    weight_decay: float = 0.01               # --weight-decay
+    clip_grad: float = 1.0                   # --clip-grad
+    adam_beta1: float = 0.9                  # --adam-beta1
+    adam_beta2: float = 0.999                # --adam-beta2
+    adam_eps: float = 1e-8                   # --adam-eps
+    eval_interval: int | None = None         # --eval-interval (None: no evaluation)
+    eval_iters: int = 2                      # --eval-iters: batches per evaluation
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the job tells its user (megatron.training.reporting)."""
+
+    log_interval: int = 1                    # --log-interval: iterations per log line
+    timing_log_level: Literal[0, 1, 2] = 0   # --timing-log-level: timers in the log lines
+    tensorboard_dir: str | None = None       # --tensorboard-dir
+    progress_bar: bool = True                # not --no-progress-bar
+    metrics_file: str | None = None          # --chameleon-metrics-file: JSON-lines events
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training data and its tokenizer."""
+
+    # --data-path: one prefix, or weight prefix pairs to blend; empty with --mock-data
+    data_path: tuple[str, ...] = ()
+    split: str = "969,30,1"                  # --split: train, valid, test weights
+    mock_data: bool = False                  # --mock-data
+    cache_path: str | None = None            # --data-cache-path
+    tokenizer_type: TokenizerType = "ByteLevelTokenizer"     # --tokenizer-type
+    vocab_file: str | None = None            # --vocab-file
+    merge_file: str | None = None            # --merge-file
+    tokenizer_model: str | None = None       # --tokenizer-model
+    vocab_size: int | None = None            # --vocab-size (NullTokenizer)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where checkpoints go and come from (megatron.training.checkpointing)."""
+
+    save: str | None = None                  # --save: where checkpoints are written
+    load: str | None = None                  # --load: where the first one is read from
+    save_interval: int | None = None         # --save-interval: iterations between saves
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The whole job; the Trainer takes it and hands each part below it its own part."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
