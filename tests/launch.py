@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import pickle
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,6 +40,30 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def spawn_ranks(worker: Callable, ranks, *args, timeout_s: float = 180) -> dict:
+    """`worker(rank, port, out, *args)` in a spawned process per rank of `ranks` (they meet on
+    127.0.0.1:port); each pickles its result to out/{rank}.pkl. Returns rank -> result. Each
+    process gets `timeout_s` to finish: spawned workers import torch and megatron-core first,
+    which alone has taken most of a minute on a shared 2-core host under load. A process still
+    alive then is killed by its PID."""
+    ctx = multiprocessing.get_context("spawn")
+    ranks = list(ranks)
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        procs = [ctx.Process(target=worker, args=(r, port, out, *args)) for r in ranks]
+        for p in procs:
+            p.start()
+        try:
+            for p in procs:
+                p.join(timeout=timeout_s)
+            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+        return {r: pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in ranks}
 
 
 def failure_free_losses(args_of: Callable[[int], list[str]],

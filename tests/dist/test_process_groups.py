@@ -10,10 +10,7 @@ and the one private timeout call are each needed. Two gloo processes, a TP 2 sta
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import pickle
-import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -22,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import free_port
+from tests.launch import spawn_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -136,21 +133,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out:
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            for p in procs:
-                p.join(timeout=120)  # imports and three small models on a shared 2-core host
-            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, 9)
-        return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(2)]
+    # 120 s: imports and three small models on a shared 2-core host
+    return list(spawn_ranks(_worker, range(2), timeout_s=120).values())
 
 
 def test_megatron_core_needs_exactly_the_installed_globals(results):

@@ -5,10 +5,7 @@ size; a shard of another size is found nowhere, and every rank says which."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import pickle
-import tempfile
 import zlib
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +14,7 @@ import pytest
 import torch
 
 from megatron.elastic.state_transfer import CarriedState, StateLost, fetch_missing
-from tests.launch import free_port
+from tests.launch import spawn_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -63,24 +60,7 @@ def _worker(rank: int, port: int, out: str, layout: dict, stepped: bool) -> None
 
 def _run(layout: dict, stepped: bool) -> dict:
     """Each rank's (state, bytes received) after fetch_missing, or the error it raised."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out:
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, out, layout, stepped))
-                 for r in layout]
-        for p in procs:
-            p.start()
-        try:
-            for p in procs:
-                # Spawned workers import torch and megatron-core first: on a shared 2-core host
-                # under load that alone has taken most of a minute.
-                p.join(timeout=180)
-            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, 9)
-        return {r: pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in layout}
+    return spawn_ranks(_worker, layout, layout, stepped)
 
 
 @pytest.mark.parametrize("stepped", [True, False], ids=["after-a-step", "before-any-step"])

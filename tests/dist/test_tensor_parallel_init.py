@@ -8,17 +8,14 @@ end-to-end layout tests cannot reach these layouts; this test builds them direct
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import pickle
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launch import free_port
+from tests.launch import spawn_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -86,21 +83,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_tensor_parallel_2_computes_what_one_rank_computes():
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out:
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            for p in procs:
-                p.join(timeout=120)  # imports and four small models on a shared 2-core host
-            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, 9)
-        results = [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(2)]
+    # 120 s: imports and four small models on a shared 2-core host
+    results = spawn_ranks(_worker, range(2), timeout_s=120).values()
     for by_tp in results:
         (loss1, plain1, grads1), (loss2, plain2, grads2) = by_tp[1], by_tp[2]
         # Dropout is on: the training pass differs from the plain one, at both sizes alike.

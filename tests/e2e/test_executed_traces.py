@@ -1,7 +1,8 @@
-"""Table 2's executed traces (`python -m tools.reproduce table2 --quick`): one kill on 8
-emulated ranks, run by a real job under every policy, Megatron's by relaunching the job with
---load; every run keeps the failure-free losses, and the table sets auto's measured ratios
-beside the predicted ones and the paper's."""
+"""Table 2's executed traces (`python -m tools.reproduce table2 --quick --executed-ranks 4`):
+one kill on 4 emulated ranks (the smallest job whose stages keep a replica after a loss;
+tools/bench/traces.py runs 8), run by a real job under every policy, Megatron's by relaunching
+the job with --load; every run keeps the failure-free losses, and the table sets auto's measured
+ratios beside the predicted ones and the paper's."""
 
 import os
 import subprocess
@@ -20,10 +21,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("results")
-    # Bounds 7 launches of 8 processes (a failure-free run, 4 policies, Megatron's 2) of 14
-    # short iterations each on 2 shared cores, about 30 s each; far beyond, a run hangs.
+    # Bounds 7 launches of 4 processes (a failure-free run, 4 policies, Megatron's 2) of 14
+    # short iterations each on 2 shared cores, about 15 s each; far beyond, a run hangs.
     run = subprocess.run([sys.executable, "-m", "tools.reproduce", "table2", "--quick",
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          "--executed-ranks", "4", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
                          timeout=850, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     return out
