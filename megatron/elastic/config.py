@@ -58,10 +58,10 @@ class Timeouts:
     # survivor arrives within its current collective's timeout (`comm_s`) plus one recovery,
     # so 60 s leaves a loaded host an order of magnitude of slack.
     agree_s: float = 60.0
-    # A new world's rendezvous, from the barrier to every participant connected
-    # (--chameleon-rendezvous-timeout); it gives up at once when a participant is reported
-    # lost, so the bound only ends a silent stall. 60 s: process-group creation on a loaded host
-    # takes seconds.
+    # A new world's rendezvous, from the barrier to every participant connected, and the
+    # creation of each of its plan's groups (--chameleon-rendezvous-timeout); it gives up at
+    # once when a participant is reported lost, so the bound only ends a silent stall. 60 s:
+    # process-group creation on a loaded host takes seconds.
     rendezvous_s: float = 60.0
     # How long a restarted worker waits to be admitted into the running job
     # (--chameleon-join-timeout): admissions happen at iteration boundaries, and the job may be

@@ -161,9 +161,6 @@ def _group_rank_lists(plan: ExecutionPlan) -> list[tuple[int, ...]]:
     return out
 
 
-RENDEZVOUS = timedelta(seconds=60)
-
-
 def bound_operations(group: dist.ProcessGroup, timeout: timedelta) -> None:
     """Let `group`'s operations wait at most `timeout` from now on.
 
@@ -177,11 +174,14 @@ def bound_operations(group: dist.ProcessGroup, timeout: timedelta) -> None:
     _set_pg_timeout(timeout, group)
 
 
-def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None) -> RankGroups:
-    """Create all groups of `plan` (collective over the current world) and return `rank`'s."""
+def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None,
+                 rendezvous: timedelta | None = None) -> RankGroups:
+    """Create all groups of `plan` (collective over the current world) and return `rank`'s:
+    their creation waits at most `rendezvous`, their operations `timeout` (None: torch's
+    default for both)."""
     # A group's rendezvous waits for every member to create it; on a loaded host one may lag
-    # the others by seconds, so the connect gets at least RENDEZVOUS, the operations `timeout`.
-    connect = None if timeout is None else max(timeout, RENDEZVOUS)
+    # the others by seconds, so the connect never gets less than an operation.
+    connect = None if timeout is None else max(timeout, rendezvous or timeout)
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for ranks in _group_rank_lists(plan):
         g = dist.new_group(list(ranks), timeout=connect)
@@ -236,9 +236,11 @@ def install(g: RankGroups) -> None:
     mps._set_global_memory_buffer()
 
 
-def initialize(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None) -> RankGroups:
-    """The plan's groups, whose operations wait at most `timeout`."""
-    g = build_groups(plan, rank, timeout)
+def initialize(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None,
+               rendezvous: timedelta | None = None) -> RankGroups:
+    """The plan's groups, created within `rendezvous`, whose operations wait at most
+    `timeout`."""
+    g = build_groups(plan, rank, timeout, rendezvous)
     install(g)
     return g
 

@@ -69,6 +69,7 @@ class RuntimeSpec:
     forward_step: Callable
     loss_func: Callable
     timeout: timedelta | None = None   # of the plan's groups' operations (None: torch's default)
+    rendezvous: timedelta | None = None  # of their creation (None: torch's default)
     timers: object | None = None
     executor: str = "ir"               # or "megatron-core" (its own pipeline schedule)
     compute_clock: ComputeClock | None = None
@@ -89,7 +90,7 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     timeout, timers = spec.timeout, spec.timers
     schedule = choose_schedule(plan)
     split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
-    groups = parallel_state.initialize(plan, rank, timeout)
+    groups = parallel_state.initialize(plan, rank, timeout, spec.rendezvous)
     stage = plan.stage_of(rank)
     pos = plan.position(rank)
     first, last = plan.is_first_stage(rank), plan.is_last_stage(rank)

@@ -201,8 +201,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "--heartbeat-timeout and --chameleon-progress-timeout")
     g.add_argument("--chameleon-rendezvous-timeout", type=float, default=default.rendezvous_s,
                    metavar="SECONDS",
-                   help="how long a recovery's new world may take to connect its ranks; it "
-                        "gives up at once when one is reported lost (default %(default)g)")
+                   help="how long a recovery's new world, and each of its process groups, may "
+                        "take to connect its ranks; it gives up at once when one is reported "
+                        "lost (default %(default)g)")
     g.add_argument("--chameleon-join-timeout", type=float, default=default.join_s,
                    metavar="SECONDS",
                    help="how long a restarted worker waits to be admitted into the running job "

@@ -159,6 +159,8 @@ class Trainer:
             get_batch=self.train_loader.get, forward_step=providers.forward_step,
             loss_func=providers.loss_func,
             timeout=timedelta(seconds=elastic.timeouts.comm_s) if elastic.enabled else None,
+            rendezvous=(timedelta(seconds=elastic.timeouts.rendezvous_s) if elastic.enabled
+                        else None),
             timers=self.timers, executor=elastic.executor, compute_clock=compute_clock,
             eager=elastic.eager, measure_memory=elastic.enabled,
             hooks=self._step_hooks(), emulation=self.emulation)
