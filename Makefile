@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PREFIX := data/builtin.prefix
 
-.PHONY: demo test test-fast reproduce setup data clean
+.PHONY: demo test test-fast reproduce setup data clean gpu-wheels
 
 setup: $(STAMP)
 
@@ -33,6 +33,12 @@ test: data
 # The paper's tables and plots: results/REPORT.md, a CSV per table, PNGs (about 15 min on 2 cores).
 reproduce: data
 	OMP_NUM_THREADS=1 $(PY) -m tools.reproduce all --out results
+
+# What tools/gpu_check.sh installs on a GPU machine without network: megatron-core and its non-torch
+# dependencies (Python 3.12, manylinux x86_64) and this project's wheel, in the git-ignored wheels/
+# (about 20 MB; carry it along). Then, there: bash tools/gpu_check.sh
+gpu-wheels: $(STAMP)
+	PYTHON=$(PY) bash tools/gpu_check.sh --build-wheels wheels
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests/unit -q

@@ -22,14 +22,18 @@ from megatron.training.training import pretrain
 def model_provider(model: ModelConfig, config, pre_process: bool, post_process: bool,
                    pg_collection: ProcessGroupCollection) -> GPTModel:
     if model.transformer_impl == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=model.num_experts,
+                                                          qk_layernorm=model.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(normalization=model.normalization)
+        spec = get_gpt_layer_local_spec(num_experts=model.num_experts,
+                                        qk_layernorm=model.qk_layernorm,
+                                        normalization=model.normalization)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings, pre_process=pre_process,
         post_process=post_process, share_embeddings_and_output_weights=model.tied_embeddings,
-        position_embedding_type=model.position_embedding_type, pg_collection=pg_collection)
+        position_embedding_type=model.position_embedding_type, rotary_percent=model.rotary_percent,
+        rotary_base=model.rotary_base, pg_collection=pg_collection)
 
 
 def forward_step(batch: dict | None, model) -> torch.Tensor:
@@ -56,7 +60,9 @@ def train_valid_test_datasets_provider(job: JobConfig, tokenizer):
         train_samples=training.train_iters * gbs,
         # the same batches each time
         valid_samples=training.eval_iters * gbs if training.eval_interval else 0,
-        test_samples=0, data_cache_path=data.cache_path)
+        test_samples=0, data_cache_path=data.cache_path, eod_mask_loss=data.eod_mask_loss,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask)
 
 
 if __name__ == "__main__":

@@ -264,6 +264,7 @@ class LateKill:
     after: int
     delay_ms: float
     stop: bool = False
+    term: bool = False                   # a SIGTERM (a preemption) instead of a SIGKILL
     node: bool = False
     store: str | None = None
     returncode: int | None = None
@@ -279,7 +280,8 @@ class LateKill:
     def _run(self) -> None:
         # The job's store appears once its agent runs: until then the tool finds no worker.
         deadline = time.monotonic() + 120
-        what = "--node" if self.node else "--stop" if self.stop else "--kill"
+        what = ("--node" if self.node else "--stop" if self.stop else "--term" if self.term
+                else "--kill")
         while time.monotonic() < deadline:
             out = subprocess.run(
                 [sys.executable, "tools/inject_failure.py", "--store",

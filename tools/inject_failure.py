@@ -2,7 +2,12 @@
 
     python tools/inject_failure.py --store ADDRESS --kill RANK        SIGKILL one worker
     python tools/inject_failure.py --store ADDRESS --stop RANK        SIGSTOP one (a hang)
-        [--after-iteration N [--delay-ms D]]  ... once the worker works past iteration N
+    python tools/inject_failure.py --store ADDRESS --term RANK        SIGTERM one (a scheduler's
+                                                                      preemption: with
+                                                                      --exit-signal-handler and
+                                                                      --chameleon, a planned leave)
+        [--after-iteration N [--delay-ms D]]  ... (any of the three) once the worker works past
+                                              iteration N
                                               (its published progress), D ms later
     python tools/inject_failure.py --store ADDRESS --node NODE_RANK   SIGKILL a node: its agent
                                                                       and all of its workers
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--kill", type=int, metavar="RANK", help="SIGKILL this worker")
     g.add_argument("--stop", type=int, metavar="RANK", help="SIGSTOP this worker (a hang)")
+    g.add_argument("--term", type=int, metavar="RANK",
+                   help="SIGTERM this worker (a preemption)")
     g.add_argument("--node", type=int, metavar="NODE_RANK",
                    help="SIGKILL a node's agent and all of its workers (a lost node)")
     g.add_argument("--trace", metavar="FILE", help="lines 'SECONDS RANK...' of timed kills")
@@ -246,12 +253,12 @@ def run(a: argparse.Namespace) -> int:
             socket.create_connection((host, port), timeout=a.timeout).close()
         except OSError as e:
             raise InputError(f"no store at {a.store}: {e.strerror or e}") from None
-    for name in ("kill", "stop", "node"):
+    for name in ("kill", "stop", "term", "node"):
         v = getattr(a, name)
         if v is not None and v < 0:
             raise InputError(f"--{name} {v}: must be >= 0")
     if a.after_iteration is not None and a.trace is not None:
-        raise InputError("--after-iteration goes with --kill, --stop or --node")
+        raise InputError("--after-iteration goes with --kill, --stop, --term or --node")
     if a.after_iteration is not None and a.after_iteration < 0:
         raise InputError(f"--after-iteration {a.after_iteration}: must be >= 0")
     if not a.delay_ms >= 0 or a.delay_ms == float("inf"):
@@ -272,13 +279,15 @@ def run(a: argparse.Namespace) -> int:
         time.sleep(a.delay_ms / 1e3)
         return True
 
-    if a.kill is not None or a.stop is not None:
-        rank = a.kill if a.kill is not None else a.stop
+    for flag, sig in (("kill", signal.SIGKILL), ("stop", signal.SIGSTOP),
+                      ("term", signal.SIGTERM)):
+        rank = getattr(a, flag)
+        if rank is None:
+            continue
         info = worker(store, rank, world)
         if not after_iteration(rank):
             return 1
-        return 0 if signal_worker(info, signal.SIGKILL if a.kill is not None
-                                  else signal.SIGSTOP) else 1
+        return 0 if signal_worker(info, sig) else 1
 
     if a.node is not None:
         node = node_info(store, a.node)

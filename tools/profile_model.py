@@ -8,19 +8,33 @@ configuration, for planning at sizes the training machine cannot run.
         --micro-batch-size 1 --output h200-analytical.json                  # FLOPs / peak
     chameleon-plan --profile h200.json --world-size 32 --pipeline-parallel 4 ...
 
+The model flags are pretrain_gpt.py's: besides the sizes, Llama-style shapes (--swiglu,
+--group-query-attention --num-query-groups, --disable-bias-linear, --kv-channels,
+--position-embedding-type rope, --normalization RMSNorm, --untie-embeddings-and-output-weights,
+--qk-layernorm), mixture of experts (--num-experts, --moe-router-topk, --moe-ffn-hidden-size;
+expert parallel 1) and activation recompute (--recompute-granularity: full recomputes each layer
+on its own, as --recompute-method uniform --recompute-num-layers 1; selective the attention
+core). Both modes describe the model by them (the profile's ModelShape).
+
+    python tools/profile_model.py --mode analytical --device-name H100 --bf16 --num-layers 32 \\
+        --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1 \\
+        --vocab-size 128256 --ffn-hidden-size 14336 --swiglu --group-query-attention \\
+        --num-query-groups 8 --disable-bias-linear --position-embedding-type rope \\
+        --normalization RMSNorm --untie-embeddings-and-output-weights --output llama3-8b.json
+
 --mode measure (the default) times, on the local device (CUDA if available, else the CPU with
 torch's thread count as set by OMP_NUM_THREADS), a megatron-core GPTModel (local layer spec,
-tied embeddings, learned positions, dropout 0.1, as pretrain_gpt.py builds it) with only
+dropout 0.1, built from the model flags as pretrain_gpt.py builds it) with only
 --layers-to-time layers and the real hidden size, so a huge --num-layers costs nothing. Each part
 is run 2 times to warm up, then --iters times; the profile keeps the medians (ms per micro-batch):
 
 - one transformer layer (the mean over the timed layers): forward; the backward split as the
   executor splits it (megatron.elastic.wgrad): the input-gradient half (autograd with the linear
-  layers' weight gradients deferred) and the weight-gradient half (the deferred matmuls); the
-  fused backward is timed too and reported in the notes;
-- the embedding (word + position) forward and backward;
-- the head: final layer norm, the output layer (tied weights) and the cross-entropy loss,
-  forward and its whole backward;
+  layers' weight gradients deferred; a recomputed forward included) and the weight-gradient half
+  (the deferred matmuls); the fused backward is timed too and reported in the notes;
+- the embedding (word, and learned positions) forward and backward;
+- the head: final norm, the output layer (its own weights or the tied word embedding) and the
+  cross-entropy loss, forward and its whole backward;
 - the optimizer: torch.optim.Adam steps on one flat fp32 parameter, per million parameters.
 
 Links cannot be measured in one process: when the device name names an entry of
@@ -33,8 +47,10 @@ The profile's source is "offline".
 --mode analytical writes perf_model.analytical_profile(shape, --device-name): FLOPs over peak,
 bytes over link bandwidth, source "analytical".
 
-Bad input prints one line on stderr (``profile_model.py: error: ...``) and exits 2; the output is
-written atomically.
+Bad input prints one line on stderr (``profile_model.py: error: ...``) and exits 2: among it
+combinations megatron-core cannot build or train (heads not divisible by query groups, a top-k
+outside the experts, and in measure mode experts with biases, whose in-place bias add fails
+autograd at tensor parallel 1). The output is written atomically.
 """
 
 from __future__ import annotations
@@ -51,12 +67,12 @@ from pathlib import Path
 from typing import Callable
 
 try:
-    from chameleon_ext.planning.perf_model import DEVICES, MIB, ModelShape, Profile, ProfileError, \
-        analytical_profile
+    from chameleon_ext.planning.perf_model import DEVICES, MIB, NORMALIZATIONS, ModelShape, \
+        Profile, ProfileError, analytical_profile
 except ImportError:          # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from chameleon_ext.planning.perf_model import DEVICES, MIB, ModelShape, Profile, ProfileError, \
-        analytical_profile
+    from chameleon_ext.planning.perf_model import DEVICES, MIB, NORMALIZATIONS, ModelShape, \
+        Profile, ProfileError, analytical_profile
 
 PROG = "profile_model.py"
 WARMUP = 2
@@ -66,6 +82,7 @@ INIT_STD = 0.02
 LINK_PROBE_MIN_BYTES = 4 * MIB
 OPT_MIN_PARAMS = 2 ** 20
 OPT_MAX_PARAMS = {"cpu": 2 ** 24, "cuda": 2 ** 26}
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")     # pretrain_gpt.py's choices
 
 
 class InputError(Exception):
@@ -89,9 +106,34 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--micro-batch-size", type=int, required=True)
     m.add_argument("--vocab-size", type=int, default=50304,
                    help="the padded vocabulary GPTModel gets (default 50304: GPT-2's, padded)")
-    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    m.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4 x hidden; with --swiglu 2/3 of that, rounded down to a "
+                        "multiple of 64 (Megatron-LM's)")
     m.add_argument("--bf16", action="store_true",
                    help="bf16 parameters and activations (2-byte messages)")
+    m.add_argument("--swiglu", action="store_true", help="a gated MLP with SiLU")
+    m.add_argument("--group-query-attention", action="store_true")
+    m.add_argument("--num-query-groups", type=int, default=1,
+                   help="key/value heads with --group-query-attention (default 1)")
+    m.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the linear layers")
+    m.add_argument("--kv-channels", type=int, default=None,
+                   help="projection size per head (default hidden / heads)")
+    m.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS,
+                   default="learned_absolute")
+    m.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise queries and keys per head")
+    m.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer (default: a dense MLP)")
+    m.add_argument("--moe-router-topk", type=int, default=2)
+    m.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's hidden size (default --ffn-hidden-size)")
+    m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: every layer recomputed on its own in the backward (Megatron's "
+                        "--recompute-method uniform --recompute-num-layers 1); selective: the "
+                        "attention core")
     p.add_argument("--mode", choices=("measure", "analytical"), default="measure")
     p.add_argument("--device-name",
                    help=f"analytical: one of {', '.join(DEVICES)}; measure: the label recorded "
@@ -121,11 +163,31 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value <= 0:
             raise InputError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.ffn_hidden_size is not None and args.ffn_hidden_size <= 0:
-        raise InputError(f"--ffn-hidden-size must be positive, got {args.ffn_hidden_size}")
-    if args.hidden_size % args.num_attention_heads:
+    for name in ("ffn_hidden_size", "kv_channels", "num_experts", "moe_ffn_hidden_size"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise InputError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise InputError(f"--hidden-size {args.hidden_size} is not divisible by "
-                         f"--num-attention-heads {args.num_attention_heads}")
+                         f"--num-attention-heads {args.num_attention_heads} (or give "
+                         "--kv-channels)")
+    if args.group_query_attention and (args.num_query_groups <= 0 or
+                                       args.num_attention_heads % args.num_query_groups):
+        raise InputError(f"--num-attention-heads {args.num_attention_heads} is not divisible "
+                         f"by --num-query-groups {args.num_query_groups}")
+    if ffn_hidden_size(args) < 1:
+        raise InputError(f"--swiglu's default --ffn-hidden-size is 0 at --hidden-size "
+                         f"{args.hidden_size}: give one")
+    if args.num_experts is None:
+        if args.moe_ffn_hidden_size is not None:
+            raise InputError("--moe-ffn-hidden-size needs --num-experts")
+    elif not 1 <= args.moe_router_topk <= args.num_experts:
+        raise InputError(f"--moe-router-topk {args.moe_router_topk} must be in 1..--num-experts "
+                         f"{args.num_experts}")
+    elif args.mode == "measure" and not args.disable_bias_linear:
+        raise InputError("--num-experts needs --disable-bias-linear to be measured: "
+                         "megatron-core's experts add their biases in place, which autograd "
+                         "refuses at tensor parallel 1")
     for name in ("cores", "ranks_per_host", "device_memory_gib"):
         value = getattr(args, name)
         if value is not None and (value < 0 or not math.isfinite(value)):
@@ -158,11 +220,29 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError(f"cannot write --output {args.output}: permission denied")
 
 
+def ffn_hidden_size(args: argparse.Namespace) -> int:
+    """--ffn-hidden-size, or Megatron-LM's default: with --swiglu the gated MLP's three
+    matrices keep about the parameters of a 4 x hidden MLP's two."""
+    if args.ffn_hidden_size is not None:
+        return args.ffn_hidden_size
+    return int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+
+
 def model_shape(args: argparse.Namespace) -> ModelShape:
     return ModelShape(args.num_layers, args.hidden_size, args.num_attention_heads,
                       args.seq_length, args.micro_batch_size, args.vocab_size,
-                      ffn_hidden_size=args.ffn_hidden_size or 0,
-                      bytes_per_element=2 if args.bf16 else 4)
+                      ffn_hidden_size=ffn_hidden_size(args),
+                      bytes_per_element=2 if args.bf16 else 4,
+                      num_query_groups=args.num_query_groups if args.group_query_attention else 0,
+                      kv_channels=args.kv_channels or 0, gated_linear_unit=args.swiglu,
+                      add_bias_linear=not args.disable_bias_linear,
+                      tied_embeddings=not args.untie_embeddings_and_output_weights,
+                      learned_positions=args.position_embedding_type == "learned_absolute",
+                      normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+                      num_experts=args.num_experts or 0,
+                      moe_ffn_hidden_size=args.moe_ffn_hidden_size or 0,
+                      moe_router_topk=args.moe_router_topk,
+                      recompute=args.recompute_granularity or "")
 
 
 def link_device(name: str) -> str | None:
@@ -279,19 +359,32 @@ def _build_model(torch, args, layers: int, cuda: bool, dtype):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+    shape = model_shape(args)
+    full = args.recompute_granularity == "full"
     config = TransformerConfig(
         num_layers=layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=shape.ffn,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels, gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear, qk_layernorm=args.qk_layernorm,
+        normalization=args.normalization, num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=shape.moe_ffn if args.num_experts else None,
+        moe_router_topk=args.moe_router_topk,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None,
         hidden_dropout=DROPOUT, attention_dropout=DROPOUT, init_method_std=INIT_STD,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
         use_cpu_initialization=not cuda, calculate_per_token_loss=True,
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, qk_layernorm=args.qk_layernorm,
+                                    normalization=args.normalization)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
                      pre_process=True, post_process=True,
-                     share_embeddings_and_output_weights=True,
-                     position_embedding_type="learned_absolute")
+                     share_embeddings_and_output_weights=shape.tied_embeddings,
+                     position_embedding_type=args.position_embedding_type)
     if cuda:
         model = model.cuda()
     model.train()
@@ -300,6 +393,7 @@ def _build_model(torch, args, layers: int, cuda: bool, dtype):
 
 def _time_model(torch, args, k: int, dev, dtype, clock: _Clock, progress: _Progress) -> dict:
     """Layer, embedding and head times of a k-layer GPTModel; its parameter count."""
+    from megatron.core import tensor_parallel
     from megatron.elastic import wgrad
 
     s, b, h, v = args.seq_length, args.micro_batch_size, args.hidden_size, args.vocab_size
@@ -313,11 +407,17 @@ def _time_model(torch, args, k: int, dev, dtype, clock: _Clock, progress: _Progr
     progress.part("layer")
     x = torch.randn(s, b, h, device=dev, dtype=dtype, requires_grad=True)
     gy = torch.randn(s, b, h, device=dev, dtype=dtype)
+    # the decoder gets RoPE's frequencies from the model, and checkpoints its layers under full
+    # recompute (uniform, one layer each): the layers alone do neither
+    rope = model.rotary_pos_emb(s) if args.position_embedding_type == "rope" else None
+    full = args.recompute_granularity == "full"
 
     def fwd():
         y = x
         for layer in layers:
-            y, _ = layer(y, attention_mask=None)
+            def run(t, layer=layer):
+                return layer(t, attention_mask=None, rotary_pos_emb=rope)[0]
+            y = tensor_parallel.checkpoint(run, False, y) if full else run(y)
         return y
 
     def bwd_input(y):
@@ -365,7 +465,9 @@ def _time_model(torch, args, k: int, dev, dtype, clock: _Clock, progress: _Progr
 
     def head_fwd():
         y = model.decoder.final_layernorm(xh)
-        logits, _ = model.output_layer(y, weight=model.shared_embedding_or_output_weight())
+        tied = model.share_embeddings_and_output_weights
+        logits, _ = model.output_layer(
+            y, weight=model.shared_embedding_or_output_weight() if tied else None)
         loss = model.compute_language_model_loss(labels, logits)
         return loss.float().sum() / loss.numel()
 
@@ -445,7 +547,7 @@ def measure(args: argparse.Namespace) -> Profile:
     copy_ms_per_mib = copy["big"] / (nbytes / MIB)
     copy_gbps = nbytes / (copy["big"] / 1e3) / 1e9 if copy["big"] > 0 else math.inf
     notes = [f"offline: measured by tools/profile_model.py on {dev.type} ({name}) with "
-             f"megatron-core GPTModel (local layer spec, tied embeddings, dropout {DROPOUT}), "
+             f"megatron-core GPTModel (local layer spec, dropout {DROPOUT}), "
              f"{k} timed layer(s) of the real hidden size, medians of {args.iters} runs after "
              f"{WARMUP} warm-up" + ("" if cuda else f", {threads} torch thread(s)"),
              f"layer backward split as megatron.elastic.wgrad does (weight matmuls of the "
@@ -497,6 +599,22 @@ def measure(args: argparse.Namespace) -> Profile:
 
 
 # ---- main ------------------------------------------------------------------------------------
+def _variants(sh: ModelShape) -> str:
+    """What sets the model apart from GPT-2's shapes, as ", a, b" ("" for none)."""
+    parts = [
+        ("SwiGLU", sh.gated_linear_unit),
+        (f"{sh.num_query_groups} query groups", sh.num_query_groups),
+        ("no biases", not sh.add_bias_linear),
+        ("RoPE", not sh.learned_positions),
+        (sh.normalization, sh.normalization != "LayerNorm"),
+        ("untied output layer", not sh.tied_embeddings),
+        ("qk-layernorm", sh.qk_layernorm),
+        (f"{sh.num_experts} experts, top {sh.moe_router_topk}", sh.num_experts),
+        (f"{sh.recompute} recompute", sh.recompute),
+    ]
+    return "".join(f", {name}" for name, on in parts if on)
+
+
 def summary(prof: Profile, path: str) -> str:
     sh = prof.shape
     mem = f"{prof.device_memory_bytes / 2 ** 30:.1f} GiB" if prof.device_memory_bytes else \
@@ -504,7 +622,7 @@ def summary(prof: Profile, path: str) -> str:
     return "\n".join([
         f"profile ({prof.source}, {prof.device}): GPT {sh.num_layers} layers, hidden "
         f"{sh.hidden_size}, {sh.num_attention_heads} heads, seq {sh.seq_length}, micro-batch "
-        f"{sh.micro_batch_size}, vocab {sh.vocab_size}",
+        f"{sh.micro_batch_size}, vocab {sh.vocab_size}{_variants(sh)}",
         f"  per layer:  fwd {prof.layer_fwd_ms:.4g} ms, bwd-input {prof.layer_bwd_input_ms:.4g} "
         f"ms, bwd-weight {prof.layer_bwd_weight_ms:.4g} ms",
         f"  embedding:  fwd {prof.embedding_fwd_ms:.4g} ms, bwd {prof.embedding_bwd_ms:.4g} ms",

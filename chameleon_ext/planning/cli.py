@@ -4,12 +4,14 @@
         --global-batch-size 128 --fail 5 [--iteration 100 --checkpoint-iteration 50] [--json]
     chameleon-plan --device H200 --num-layers 32 --hidden-size 2560 --num-attention-heads 32 \\
         --seq-length 2048 --micro-batch-size 1 --vocab-size 51200 --world-size 32 \\
-        --pipeline-parallel 4 --global-batch-size 128 --fail 5,6
+        --pipeline-parallel 4 --global-batch-size 128 --fail 5,6 --mtbf 6 --repair-minutes 30
 
 The profile is a measured one (saved by a run as profile.json next to its checkpoints, or by
 tools/profile_model.py) or, with --device, the analytical one of that device (labelled so).
 With --tensor-parallel > 1 a lost rank takes its whole tensor-parallel group out: the plans run
-on the other groups, the new rank i on the i-th rank of `members` (JSON).
+on the other groups, the new rank i on the i-th rank of `members` (JSON). With --repair-minutes
+each candidate is costed over the failure-repair cycle (planner's module docstring): its window
+cost, its move back when the slot returns and its cost of absorbing the next failure.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
 from chameleon_ext.planning.perf_model import DEVICES, ModelShape, Profile, ProfileError, \
     analytical_profile, predict
-from chameleon_ext.planning.planner import STRATEGIES, Situation, candidates, choose
+from chameleon_ext.planning.planner import STRATEGIES, Situation, candidates, choose, window
 from chameleon_ext.schedule.choice import choose_schedule
 
 
@@ -54,12 +57,28 @@ class Query:
     checkpoint_iteration: int
     train_iters: int
     mtbf_hours: float | None            # the planner's horizon
+    repair_hours: float | None          # when the lost slot is back (None: the horizon rule)
     strategies: tuple[str, ...]
     json: bool                          # machine-readable output
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse's own errors: one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not positive")
+    return value
+
+
 def parse(argv: list[str] | None) -> Query:
-    p = argparse.ArgumentParser(prog="chameleon-plan", description=__doc__.splitlines()[0])
+    p = _Parser(prog="chameleon-plan", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="a profile JSON (measured, offline or analytical)")
     src.add_argument("--device", choices=sorted(DEVICES), help="the analytical profile of it")
@@ -78,7 +97,9 @@ def parse(argv: list[str] | None) -> Query:
     c.add_argument("--iteration", type=int, default=100, help="the interrupted iteration")
     c.add_argument("--checkpoint-iteration", type=int, default=0)
     c.add_argument("--train-iters", type=int, default=10_000)
-    c.add_argument("--mtbf", type=float, help="hours between failures (the horizon)")
+    c.add_argument("--mtbf", type=_positive, help="hours between failures (the horizon)")
+    c.add_argument("--repair-minutes", type=_positive,
+                   help="minutes until a lost slot is back (the failure-repair cycle)")
     c.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--json", action="store_true", help="machine-readable output")
     a = p.parse_args(argv)
@@ -90,7 +111,9 @@ def parse(argv: list[str] | None) -> Query:
         tensor_parallel=a.tensor_parallel, pipeline_parallel=a.pipeline_parallel,
         global_batch_size=a.global_batch_size, fail=a.fail, iteration=a.iteration,
         checkpoint_iteration=a.checkpoint_iteration, train_iters=a.train_iters,
-        mtbf_hours=a.mtbf, strategies=tuple(s.strip() for s in a.strategies.split(",")),
+        mtbf_hours=a.mtbf,
+        repair_hours=None if a.repair_minutes is None else a.repair_minutes / 60,
+        strategies=tuple(s.strip() for s in a.strategies.split(",")),
         json=a.json)
 
 
@@ -141,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         before = predict(plan, choose_schedule(plan, fuse=False), profile).iteration_ms
         situation = Situation(q.iteration, q.checkpoint_iteration,
-                              q.train_iters - q.iteration + 1, q.mtbf_hours, before)
+                              q.train_iters - q.iteration + 1, q.mtbf_hours, before,
+                              repair_hours=q.repair_hours)
         ranked = candidates(plan, lost, profile, situation, q.strategies)
+        win = window(situation, before)
         search_ms = (time.perf_counter() - t0) * 1e3
     except (ProfileError, PlanError, UsageError) as e:
         print(f"chameleon-plan: error: {e}", file=sys.stderr)
@@ -151,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     if q.json:
         print(json.dumps({"profile": {"source": profile.source, "device": profile.device},
                           "failure_free_iter_ms": round(before, 3), "search_ms": round(search_ms, 1),
+                          "window": {"iterations": round(win.iterations, 1),
+                                     "repair_first": round(win.repair_first, 4),
+                                     "failure_first": round(win.failure_first, 4)},
                           "candidates": [c.summary() for c in ranked],
                           "chosen": best.summary() if best else None,
                           "plan": best.plan.to_dict() if best else None,
@@ -164,14 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     if leaving:
         print(f"tensor parallel {plan.tensor_parallel}: rank(s) {leaving} leave with their "
               "groups")
+    print(f"window: {win.iterations:.0f} iteration(s) of {before:.1f} ms; the repair first "
+          f"{win.repair_first:.3f}, the next failure first {win.failure_first:.3f}"
+          + ("" if q.repair_hours else " (no --repair-minutes: the horizon rule)"))
     print(f"{'strategy':<15} | {'layout':<36} | {'ranks':>5} | {'iter ms':>9} | "
-          f"{'transition ms':>13} | {'memory MiB':>10} | {'total over horizon s':>20}")
+          f"{'transition ms':>13} | {'move back ms':>12} | {'next failure ms':>15} | "
+          f"{'memory MiB':>10} | {'window cost s':>13}")
     for c in ranked:
         s = c.summary()
         total = f"{s['total_ms'] / 1e3:.1f}" if s["total_ms"] is not None else "infeasible"
         print(f"{c.strategy:<15} | {s['layout']:<36} | {s['world']:>5} | "
-              f"{c.iteration_ms:9.1f} | {c.transition_ms:13.1f} | {s['memory_mib']:10.1f} | "
-              f"{total:>20}")
+              f"{c.iteration_ms:9.1f} | {c.transition_ms:13.1f} | {c.move_back_ms:12.1f} | "
+              f"{c.next_failure_ms:15.1f} | {s['memory_mib']:10.1f} | {total:>13}")
     print(f"chosen: {best.strategy if best else 'none (no feasible plan)'}; search took "
           f"{search_ms:.1f} ms")
     return 0 if best else 1

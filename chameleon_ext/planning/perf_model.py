@@ -35,6 +35,8 @@ from chameleon_ext.schedule.ir import COMPUTE, Op, OpKind, Schedule
 from chameleon_ext.schedule.simulator import SimResult, reduction_components, simulate
 
 SOURCES = ("measured", "offline", "analytical")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+RECOMPUTE = ("", "full", "selective")
 SHARING_ROUNDS = 20
 MIB = 2 ** 20
 
@@ -45,7 +47,10 @@ class ProfileError(ValueError):
 
 @dataclass
 class ModelShape:
-    """The GPT configuration a profile describes (megatron-core GPTModel, learned positions)."""
+    """The GPT configuration a profile describes (megatron-core GPTModel, local layer spec).
+    The fields after bytes_per_element are Megatron-LM's model flags; their defaults are GPT-2's
+    shapes, which profiles written before them describe. A field equal to its default's value
+    is stored as the default (__post_init__), so equal models compare equal however given."""
 
     num_layers: int
     hidden_size: int
@@ -55,35 +60,154 @@ class ModelShape:
     vocab_size: int
     ffn_hidden_size: int = 0          # 0: 4 x hidden_size
     bytes_per_element: int = 4        # activations and messages (fp32 on CPU, 2 for bf16)
+    num_query_groups: int = 0         # --num-query-groups (GQA); 0: one per head
+    kv_channels: int = 0              # --kv-channels; 0: hidden_size / heads
+    gated_linear_unit: bool = False   # --swiglu: fc1 gives [gate, up], fc2 takes ffn
+    add_bias_linear: bool = True      # not --disable-bias-linear
+    tied_embeddings: bool = True      # not --untie-embeddings-and-output-weights
+    learned_positions: bool = True    # --position-embedding-type learned_absolute (not rope)
+    max_position_embeddings: int = 0  # 0: seq_length
+    normalization: str = "LayerNorm"  # or RMSNorm (a weight, no bias)
+    qk_layernorm: bool = False        # a norm over each head's queries and keys
+    num_experts: int = 0              # --num-experts: 0 is a dense MLP (MoE: expert parallel 1)
+    moe_ffn_hidden_size: int = 0      # 0: ffn_hidden_size
+    moe_router_topk: int = 0          # experts per token (0 without experts)
+    recompute: str = ""               # --recompute-granularity: "", full (uniform, 1 layer)
+                                      # or selective (core attention)
+
+    def __post_init__(self) -> None:
+        if self.normalization not in NORMALIZATIONS:
+            raise ProfileError(f"model normalization {self.normalization!r} is not one of "
+                               f"{', '.join(NORMALIZATIONS)}")
+        if self.recompute not in RECOMPUTE:
+            raise ProfileError(f"model recompute {self.recompute!r} is not one of "
+                               f"{', '.join(repr(r) for r in RECOMPUTE)}")
+        h, a = self.hidden_size, self.num_attention_heads
+        if self.ffn_hidden_size == 4 * h:
+            self.ffn_hidden_size = 0
+        if self.num_query_groups == a:
+            self.num_query_groups = 0
+        if a and self.kv_channels * a == h:
+            self.kv_channels = 0
+        if self.max_position_embeddings == self.seq_length:
+            self.max_position_embeddings = 0
+        if not self.num_experts:
+            self.moe_ffn_hidden_size = self.moe_router_topk = 0
+        elif self.moe_ffn_hidden_size == self.ffn:
+            self.moe_ffn_hidden_size = 0
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @property
+    def moe_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_width(self) -> int:
+        """All heads' queries of one token (hidden_size unless kv_channels says otherwise)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """One token's keys (or values): one head per query group."""
+        return (self.num_query_groups or self.num_attention_heads) * self.head_dim
+
+    @property
+    def ffn_matrices(self) -> int:
+        """Weight matrices of one MLP: fc1 (gate and up when gated) and fc2."""
+        return 3 if self.gated_linear_unit else 2
+
+    def _norm_params(self, width: int) -> int:
+        return width * (1 if self.normalization == "RMSNorm" else 2)
+
+    def _mlp_params(self, ffn: int) -> int:
+        h = self.hidden_size
+        up = ffn * (self.ffn_matrices - 1)  # fc1's outputs
+        return h * up + ffn * h + self.add_bias_linear * (up + h)
+
     def layer_params(self) -> int:
-        """Attention (QKV + projection), MLP (two linears) and two layer norms, with biases."""
-        h, f = self.hidden_size, self.ffn
-        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        """Attention (QKV + projection, the query and key norms), the MLP (or the router and
+        every expert's MLP) and two norms, per megatron-core's local layer spec."""
+        h, bias = self.hidden_size, self.add_bias_linear
+        q, kv = self.query_width, self.kv_width
+        attention = h * (q + 2 * kv) + q * h + bias * (q + 2 * kv + h) \
+            + self.qk_layernorm * 2 * self._norm_params(self.head_dim)
+        if self.num_experts:
+            mlp = self.num_experts * (h + bias + self._mlp_params(self.moe_ffn))
+        else:
+            mlp = self._mlp_params(self.ffn)
+        return attention + mlp + 2 * self._norm_params(h)
 
     def embedding_params(self) -> int:
-        """Word and position embeddings (the output layer shares the word embedding)."""
-        return (self.vocab_size + self.seq_length) * self.hidden_size
+        """Word embeddings, and learned position embeddings (RoPE has no parameters)."""
+        positions = self.learned_positions * (self.max_position_embeddings or self.seq_length)
+        return (self.vocab_size + positions) * self.hidden_size
+
+    def output_params(self, first: bool) -> int:
+        """The last stage's output layer: its own weights when untied, else a copy of the word
+        embedding unless this stage (`first`) holds it already."""
+        return (not self.tied_embeddings or not first) * self.vocab_size * self.hidden_size
+
+    def head_params(self, first: bool) -> int:
+        """The last stage's final norm and output layer."""
+        return self._norm_params(self.hidden_size) + self.output_params(first)
 
     def message_bytes(self) -> int:
         """One activation or its gradient between stages: [seq, micro batch, hidden]."""
         return self.seq_length * self.micro_batch_size * self.hidden_size * self.bytes_per_element
 
     def layer_activation_bytes(self) -> int:
-        """What one layer keeps for the backward of one micro-batch (Korthikanti et al. 2022:
-        s*b*h*(34 + 5*a*s/h) bytes at 2-byte precision, scaled to bytes_per_element)."""
-        s, b, h, a = self.seq_length, self.micro_batch_size, self.hidden_size, \
-            self.num_attention_heads
-        return int(s * b * h * (34 + 5 * a * s / h) * self.bytes_per_element / 2)
+        """What one layer keeps for the backward of one micro-batch, after Korthikanti et al.
+        2022: s*b*h*(34 + 5*a*s/h) bytes at 2-byte precision (1-byte dropout masks), scaled to
+        bytes_per_element. Term by term, per token at 2 bytes: attention 11h (its input 2h, Q
+        2q, K and V 2kv each, the projection's input 2q, a dropout mask h; with qk-layernorm
+        the norms' inputs 2q + 2kv), the MLP 19h (its input 2h, fc1's output and the
+        activation's 2f each, a gated fc1 4f, a dropout mask h; MoE: the router's input and
+        logits, and fc1's input and outputs for each of the top-k copies of the token), the
+        norms 4h; and 5*a*s per head and token of attention scores (softmax output, its
+        dropout mask and output). Selective recompute drops the scores, full recompute keeps
+        only the layer's input."""
+        s, b, h = self.seq_length, self.micro_batch_size, self.hidden_size
+        if self.recompute == "full":
+            return s * b * h * self.bytes_per_element
+        q, kv = self.query_width, self.kv_width
+        attention = 3 * h + 4 * q + 4 * kv + self.qk_layernorm * 2 * (q + kv)
+        if self.num_experts:
+            mlp = 3 * h + 2 * self.num_experts + self.moe_router_topk * (
+                2 * h + 2 * self.moe_ffn * self.ffn_matrices)
+        else:
+            mlp = 3 * h + 2 * self.ffn * self.ffn_matrices
+        scores = 0 if self.recompute == "selective" else 5 * self.num_attention_heads * s
+        return s * b * (attention + mlp + 4 * h + scores) * self.bytes_per_element // 2
+
+    def _score_flops(self) -> float:
+        """Q K^T and the scores times V: each query head over the whole sequence."""
+        return 4.0 * self.micro_batch_size * self.seq_length ** 2 * self.query_width
 
     def layer_flops(self) -> float:
-        """Forward FLOPs of one layer for one micro-batch (matmuls and attention scores)."""
+        """Forward FLOPs of one layer for one micro-batch (matmuls and attention scores; MoE:
+        the router and each token's top-k experts)."""
         s, b, h = self.seq_length, self.micro_batch_size, self.hidden_size
-        return 2.0 * s * b * (4 * h * h + 2 * h * self.ffn) + 4.0 * b * s * s * h
+        q, kv = self.query_width, self.kv_width
+        if self.num_experts:
+            mlp = h * self.num_experts + self.moe_router_topk * self.ffn_matrices * h * \
+                self.moe_ffn
+        else:
+            mlp = self.ffn_matrices * h * self.ffn
+        return 2.0 * s * b * (h * (q + 2 * kv) + q * h + mlp) + self._score_flops()
+
+    def layer_recompute_flops(self) -> float:
+        """Forward FLOPs one layer's backward runs again: the whole forward under full
+        recompute, the core attention under selective."""
+        if self.recompute == "full":
+            return self.layer_flops()
+        return self._score_flops() if self.recompute == "selective" else 0.0
 
     def head_flops(self) -> float:
         """Forward FLOPs of the output layer (logits over the vocabulary)."""
@@ -383,8 +507,8 @@ def lockstep_slowdown(plan: ExecutionPlan, slowdown: dict[int, float]) -> dict[i
 
 def stage_params(plan: ExecutionPlan, rank: int, shape: ModelShape) -> int:
     """Parameters on `rank` (megatron-core's count): its layers' share (tensor parallel splits
-    them), the embeddings on the first stage, and on the last the final layer norm and, when it
-    is not also the first, its copy of the tied output weights."""
+    them), the embeddings on the first stage, and on the last the final norm and the output
+    layer (ModelShape.head_params)."""
     return stage_param_count(shape, plan.stage_of(rank).num_layers, plan.is_first_stage(rank),
                              plan.is_last_stage(rank), plan.tensor_parallel)
 
@@ -392,9 +516,8 @@ def stage_params(plan: ExecutionPlan, rank: int, shape: ModelShape) -> int:
 def stage_param_count(shape: ModelShape, layers: int, first: bool, last: bool,
                       tensor_parallel: int) -> int:
     """stage_params of a stage of `layers` layers, without a plan (the planner's bounds)."""
-    h = shape.hidden_size
     total = layers * shape.layer_params() + first * shape.embedding_params() \
-        + last * (2 * h + (not first) * shape.vocab_size * h)
+        + last * shape.head_params(first)
     return total // tensor_parallel
 
 
@@ -605,12 +728,14 @@ def analytical_profile(shape: ModelShape, device: str = "A100") -> Profile:
         raise ProfileError(f"unknown device {device!r} (known: {', '.join(DEVICES)})") from None
     flops_per_ms = dev.peak_tflops * 1e12 * dev.efficiency / 1e3
     layer = shape.layer_flops() / flops_per_ms
+    recompute = shape.layer_recompute_flops() / flops_per_ms
     head = shape.head_flops() / flops_per_ms
     link_ms_per_mib = MIB / (dev.p2p_gbps * 1e9) * 1e3
     ring_ms_per_mib = MIB / (dev.allreduce_gbps * 1e9) * 1e3
     return Profile(
         source="analytical", device=dev.name, shape=shape,
-        layer_fwd_ms=layer, layer_bwd_input_ms=layer, layer_bwd_weight_ms=layer,
+        # a recomputed forward runs before the input gradients that need its activations
+        layer_fwd_ms=layer, layer_bwd_input_ms=layer + recompute, layer_bwd_weight_ms=layer,
         embedding_fwd_ms=0.0, embedding_bwd_ms=0.0, head_fwd_ms=head, head_bwd_ms=2 * head,
         # Adam reads and writes ~16 bytes per parameter at ~2 TB/s of HBM.
         optimizer_ms_per_mparam=16e6 / 2e12 * 1e3,
@@ -624,12 +749,15 @@ def analytical_profile(shape: ModelShape, device: str = "A100") -> Profile:
                "group"])
 
 
-def fit_layer_costs(stages: list[tuple[int, bool, bool, float]], shape: ModelShape) -> \
-        tuple[float, float]:
+def fit_layer_costs(stages: list[tuple[int, bool, bool, float]], shape: ModelShape,
+                    with_backward: bool = False) -> tuple[float, float]:
     """(per-layer cost, head cost) from measured per-micro-batch stage costs [(layers, first,
     last, ms)]: the head is taken as head_flops / layer_flops layers (the embedding lookup as
-    free), and the per-layer cost is the least-squares fit of ms = L * (layers + last * ratio)."""
-    ratio = shape.head_flops() / shape.layer_flops()
+    free), and the per-layer cost is the least-squares fit of ms = L * (layers + last * ratio).
+    `with_backward`: the costs are forward and backward, each backward twice its forward and a
+    layer's also its recomputed forward."""
+    recompute = shape.layer_recompute_flops() if with_backward else 0.0
+    ratio = shape.head_flops() / (shape.layer_flops() + recompute / 3)
     xs = [n + last * ratio for n, _, last, _ in stages]
     if not xs or sum(x * x for x in xs) == 0:
         return 0.0, 0.0

@@ -11,7 +11,8 @@ costs are balanced) and the hybrid reroute+restart (reroute now, and at the next
 checkpoint save restart from that fresh checkpoint onto the re-planned layout). Each plan is
 predicted with the performance model (chameleon_ext.planning.perf_model.predict_plan: the simulator over
 the schedule the executor would run, on the fewest pipelines that determine it exactly) and
-costed as
+costed over the window until the next event. Without a repair time (`Situation.repair_hours`
+None: nothing known of repair) the rule is the horizon-only one,
 
     transition + horizon x predicted iteration time
 
@@ -22,10 +23,47 @@ after k iterations (the interrupted one, run again, included), costs
     reroute transition + k x reroute iteration + rebuild and checkpoint read
         + (horizon - k) x re-planned iteration
 
-and is a candidate only when k is within the horizon. A candidate whose predicted memory exceeds
-the device's is never chosen. The layouts of the restart search are predicted in the order of a
-lower bound on their iteration time, and the search stops at the first bound above the best
-prediction so far: the same choice as predicting every layout.
+and is a candidate only when k is within the horizon.
+
+With a repair time R (the lost slot comes back R after the failure; math.inf: not within the
+job) the planner weighs the failure-repair cycle. Failures are exponential at rate
+lambda = 1 / MTBF (0 without one); the repair comes at R; training ends at D = remaining
+iterations x pace (the failure-free iteration time). The window ends at the first of the three;
+with H = min(R, D):
+
+    W = (1 - exp(-lambda H)) / lambda     (H when lambda = 0)   expected window, ms
+    N = W / pace                                                 its work, in iterations
+    p = exp(-lambda R) if R < D else 0                           the repair comes first
+    q = 1 - exp(-lambda H)                                       the next failure comes first
+
+and every candidate c, doing the same N iterations, costs
+
+    total(c) = transition(c) + N x iteration(c) + p x back(c) + q x next(c)
+
+- back(c), the move back when the slot returns: to the plan before the failure with the lost
+  ranks back, a planned move at an iteration boundary as an admission makes it: the rebuild
+  plus the state (parameters and Adam moments) each rank lacks there, from its peers
+  (`moved_state_bytes`). Rerouting moves the returning stage only; a re-laid-out plan moves
+  most layers again.
+- next(c), absorbing the next failure from c's plan: a rank of it fails uniformly at random;
+  with probability f(c) its (tensor-parallel group's) loss leaves a layer that no other rank
+  holds (a rerouted stage down to one replica), and only a restart recovers: the detection, the
+  rebuild, the checkpoint read and the work since the checkpoint (half a save interval with
+  periodic saves, else every iteration since the latest checkpoint and the window's N); else
+  the cheapest in-place recovery: the detection, the rebuild and the interrupted iteration.
+  The plan after that failure is not costed further (a bound of one step).
+- The hybrid's back and next are its re-planned plan's (it holds it for most of the window).
+
+total / (N x global batch) is the expected time per sample over the window, so comparing
+totals compares it. The same model decides a rejoin (`rejoin_choice`): when a slot comes back,
+admit it now (a state-moving move), at the next periodic checkpoint (a move from that fresh
+checkpoint: the rebuild and the read, no state between peers) or stay on the current plan, over
+the window until the next failure or the end (no repair pending: p = 0).
+
+A candidate whose predicted memory exceeds the device's is never chosen. The layouts of the
+restart search are predicted in the order of a lower bound on their iteration time, and the
+search stops at the first bound above the best prediction so far: the same choice as
+predicting every layout.
 
 With tensor parallelism the unit of every strategy is a tensor-parallel group: a group with a
 lost rank leaves the plan whole (its healthy ranks too), and every candidate runs on whole
@@ -36,18 +74,19 @@ the plan's: no candidate re-shards a replica to another degree.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
-from chameleon_ext.planning.perf_model import (MIB, Prediction, Profile, predict_plan, stage_param_count,
-                                      switch_ms, transition_ms)
+from chameleon_ext.planning.perf_model import (MIB, ModelShape, Prediction, Profile, predict_plan,
+                                      stage_param_count, switch_ms, transition_ms)
 from chameleon_ext.planning.strategies import REGISTRY, Context
-from chameleon_ext.planning.strategies.redundancy import eager_cost
+from chameleon_ext.planning.strategies.redundancy import eager_cost, shadow_pairs
 from chameleon_ext.schedule.choice import choose_schedule
 from chameleon_ext.schedule.ir import Schedule
 
 STRATEGIES = (*REGISTRY, "reroute+restart")
+STATE_BYTES_PER_PARAM = 12     # what a move sends: the parameter and two Adam moments
 
 
 @dataclass
@@ -61,6 +100,9 @@ class Situation:
     failure_free_ms: float = 0.0       # iteration time before the failure (for lost work)
     save_interval: int = 0             # a checkpoint after every multiple (0: no periodic saves)
     eager_redundancy: bool = False     # stages hold shadow copies (strategies.redundancy)
+    # the lost slot is back this long after the failure (math.inf: not within the job); None:
+    # unknown, and the horizon-only rule decides (module docstring)
+    repair_hours: float | None = None
 
 
 class _Scheduled:
@@ -96,6 +138,8 @@ class Candidate(_Scheduled):
     feasible: bool
     total_ms: float = math.inf
     switch: Switch | None = None       # a hybrid's second step (plan etc. are the first's)
+    move_back_ms: float = 0.0          # back(c): to the plan before the failure, slot returned
+    next_failure_ms: float = 0.0       # next(c): absorbing the next failure from its plan
 
     def summary(self) -> dict:
         """The metrics file's form (ARCHITECTURE.md: recovery.candidates)."""
@@ -103,6 +147,8 @@ class Candidate(_Scheduled):
                "transition_ms": round(self.transition_ms, 1),
                "memory_mib": round(self.memory_bytes / MIB, 1), "feasible": self.feasible,
                "total_ms": round(self.total_ms, 1) if math.isfinite(self.total_ms) else None,
+               "move_back_ms": round(self.move_back_ms, 1),
+               "next_failure_ms": round(self.next_failure_ms, 1),
                "world": self.plan.world_size, "layout": _layout(self.plan)}
         if self.switch is not None:
             s = self.switch
@@ -130,6 +176,36 @@ def horizon_iterations(situation: Situation, iteration_ms: float) -> float:
     if situation.mtbf_hours and iteration_ms > 0:
         n = min(n, situation.mtbf_hours * 3.6e6 / iteration_ms)
     return n
+
+
+@dataclass(frozen=True)
+class Window:
+    """The span a candidate is costed over (module docstring): `iterations` (N) of work at the
+    failure-free pace, and the chances that the repair (p) or the next failure (q) ends it."""
+
+    iterations: float
+    repair_first: float = 0.0
+    failure_first: float = 0.0
+
+
+def window(situation: Situation, pace_ms: float) -> Window:
+    """The window until the next event at `pace_ms` an iteration: the horizon without a repair
+    time (p = q = 0: the horizon-only rule), else the cycle's expectation."""
+    if situation.repair_hours is None or pace_ms <= 0:
+        return Window(horizon_iterations(situation, pace_ms))
+    end = situation.remaining_iterations * pace_ms
+    repair = situation.repair_hours * 3.6e6
+    until = min(repair, end)
+    rate = 1 / (situation.mtbf_hours * 3.6e6) if situation.mtbf_hours else 0.0
+    expected = -math.expm1(-rate * until) / rate if rate else until
+    return Window(expected / pace_ms, math.exp(-rate * repair) if repair < end else 0.0,
+                  -math.expm1(-rate * until))
+
+
+def cycle_total(c: Candidate, win: Window) -> float:
+    """total(c) over the window (module docstring); a hybrid's own total is built by _hybrid."""
+    return c.transition_ms + win.iterations * c.iteration_ms + \
+        win.repair_first * c.move_back_ms + win.failure_first * c.next_failure_ms
 
 
 def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation: Situation,
@@ -168,12 +244,16 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
                 _add_upkeep(c, after)
     pace = situation.failure_free_ms or min((c.iteration_ms for c in out if c.feasible),
                                             default=0.0)
-    horizon = horizon_iterations(situation, pace)
+    win = window(situation, pace)
+    for c in proposed.values():
+        c.move_back_ms = move_back_ms(c.plan, plan, lost, profile)
+        c.next_failure_ms = next_failure_ms(c.plan, c.iteration_ms, profile, situation,
+                                            win.iterations)
     for c in out:
         if c.feasible:
-            c.total_ms = c.transition_ms + horizon * c.iteration_ms
+            c.total_ms = cycle_total(c, win)
     if hybrid and "reroute" in proposed and "restart" in proposed:
-        both = _hybrid(proposed["reroute"], proposed["restart"], profile, situation, horizon)
+        both = _hybrid(proposed["reroute"], proposed["restart"], profile, situation, win)
         if both is not None:
             out.append(both)
     return sorted(out, key=lambda c: (not c.feasible, c.total_ms))
@@ -216,27 +296,151 @@ def _loaded_bytes(plan: ExecutionPlan, profile: Profile) -> int:
 
 
 def _hybrid(now: Candidate, then: Candidate, profile: Profile,
-            situation: Situation, horizon: float) -> Candidate | None:
+            situation: Situation, win: Window) -> Candidate | None:
     """Reroute now (`now`), and restart onto `then`'s plan from the next periodic checkpoint,
     written after k iterations counted from the interrupted one (run again); None without
-    periodic saves or when the switch would come after the `horizon` (iterations). (A
+    periodic saves or when the switch would come after the window's iterations. (A
     rerouted plan always differs from a re-planned one: it has a stage without ranks.)"""
     every = situation.save_interval
     if every <= 0:
         return None
     at = -(-situation.iteration // every) * every
     k = at - situation.iteration + 1
-    if k >= horizon:
+    if k >= win.iterations:
         return None
     switch = Switch("restart", then.plan, then.iteration_ms,
                     switch_ms(profile, loaded_bytes=_loaded_bytes(then.plan, profile)), at)
     both = Candidate("reroute+restart", now.plan, now.iteration_ms, now.transition_ms,
                      max(now.memory_bytes, then.memory_bytes), now.feasible and then.feasible,
-                     switch=switch)
+                     switch=switch, move_back_ms=then.move_back_ms,
+                     next_failure_ms=then.next_failure_ms)
     if both.feasible:
         both.total_ms = now.transition_ms + k * now.iteration_ms + switch.transition_ms + \
-            (horizon - k) * then.iteration_ms
+            (win.iterations - k) * then.iteration_ms + win.repair_first * then.move_back_ms + \
+            win.failure_first * then.next_failure_ms
     return both
+
+
+# ---- the failure-repair cycle ------------------------------------------------------------------
+def moved_state_bytes(old: ExecutionPlan, new: ExecutionPlan, was: dict[int, int],
+                      shape: ModelShape) -> int:
+    """The state (STATE_BYTES_PER_PARAM a parameter) the ranks of `new` lack, each its
+    tensor-parallel shard: rank i of `new` held old rank was[i]'s under `old` (absent: nothing,
+    a rank that comes back). The embedding, the final norm and the output layer count once for
+    a rank that takes them, never for one that holds them already."""
+    total = 0
+    for i in new.ranks:
+        st, first, last = new.stage_of(i), new.is_first_stage(i), new.is_last_stage(i)
+        need = stage_param_count(shape, st.num_layers, first, last, 1)
+        j = was.get(i)
+        if j is not None:
+            held = old.stage_of(j)
+            kept = max(0, min(held.layer_end, st.layer_end) - max(held.layer_start,
+                                                                  st.layer_start))
+            # the layers it keeps, and the first or last stage's own parameters it held
+            need -= stage_param_count(shape, kept, first and old.is_first_stage(j),
+                                      last and old.is_last_stage(j), 1)
+        total += STATE_BYTES_PER_PARAM * max(0, need) // new.tensor_parallel
+    return total
+
+
+def move_back_ms(new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
+                 profile: Profile) -> float:
+    """back(c): from `new` (a plan over plan.survivors(lost), its rank i on the i-th) to `plan`
+    with the ranks `lost` back, a planned move (switch_ms) plus the state moved to the ranks."""
+    used = plan.survivors(lost, new.world_size)
+    was = {r: i for i, r in enumerate(used)}
+    return switch_ms(profile) + profile.p2p_ms_per_mib * \
+        moved_state_bytes(new, plan, was, profile.shape) / MIB
+
+
+def fatal_share(plan: ExecutionPlan, eager: bool) -> float:
+    """f(c): the share of `plan`'s ranks whose loss, with their tensor-parallel group, leaves a
+    layer held by no other group (nor, `eager`, as a shadow copy): only a restart recovers."""
+    holders: dict[int, set[int]] = {}   # layer -> the groups holding it, by their first rank
+
+    def hold(group: int, layers: range) -> None:
+        for layer in layers:
+            holders.setdefault(layer, set()).add(group)
+
+    for p in plan.pipelines:
+        for st in p.stages:
+            if st.ranks:
+                hold(st.ranks[0], range(st.layer_start, st.layer_end))
+    if eager:
+        for owner, holder in shadow_pairs(plan):
+            st = plan.stage_of(owner)
+            hold(plan.stage_of(holder).ranks[0], range(st.layer_start, st.layer_end))
+    fatal = {g for groups in holders.values() if len(groups) == 1 for g in groups}
+    return sum(len(plan.stage_of(g).ranks) for g in fatal) / plan.world_size
+
+
+def next_failure_ms(new: ExecutionPlan, iteration_ms: float, profile: Profile,
+                    situation: Situation, window_iterations: float) -> float:
+    """next(c): the expected cost of the next failure of `new` (running at `iteration_ms`),
+    as the module docstring says; `window_iterations`: the window's N."""
+    f = fatal_share(new, situation.eager_redundancy)
+    in_place = transition_ms(profile, lost_iterations=1, iteration_ms=iteration_ms)
+    since = situation.save_interval / 2 if situation.save_interval > 0 else \
+        situation.iteration - situation.checkpoint_iteration + window_iterations
+    restart = transition_ms(profile, loaded_bytes=_loaded_bytes(new, profile)) + \
+        since * iteration_ms
+    return (1 - f) * in_place + f * restart
+
+
+def running_ms(plan: ExecutionPlan, iteration_ms: float, profile: Profile, situation: Situation,
+               win: Window) -> float:
+    """A plan's cost over `win` without its transition: N x iteration + q x next."""
+    return win.iterations * iteration_ms + win.failure_first * next_failure_ms(
+        plan, iteration_ms, profile, situation, win.iterations)
+
+
+def rejoin_window(situation: Situation, pace_ms: float) -> Window:
+    """The window of a rejoin: until the next failure or the end, no repair pending."""
+    return window(replace(situation, repair_hours=math.inf), pace_ms)
+
+
+@dataclass
+class RejoinChoice:
+    """What to do when ranks come back: `action` "now", "checkpoint" (after the save of
+    `at_iteration`) or "stay"; `costs`: each action's total over the window (ms)."""
+
+    action: str
+    costs: dict[str, float]
+    at_iteration: int | None = None
+
+
+def rejoin_choice(current: ExecutionPlan, current_ms: float, new: ExecutionPlan, new_ms: float,
+                  was: dict[int, int], profile: Profile, situation: Situation) -> RejoinChoice:
+    """Admit the ranks that came back into `new` (the admission's plan, strategies.rejoin's
+    overlay: its rank i held `current`'s rank was[i], absent for a newcomer) now, at the next
+    periodic checkpoint, or stay on `current`, by the cycle's objective over the window until
+    the next failure or the end (module docstring). `situation.iteration` is the next
+    iteration to run, `failure_free_ms` the pace the window is counted at (else `new_ms`).
+
+        stay:       N x current + q x next(current)
+        now:        move + N x new + q x next(new)
+        checkpoint: k x current + rebuild and read + (N - k) x new + q x next(new)
+
+    where move is the rebuild and the state the ranks lack from their peers, and k the
+    iterations until the next save (0: one is written at this boundary)."""
+    profile = profile.at_tensor_parallel(new.tensor_parallel)
+    win = rejoin_window(situation, situation.failure_free_ms or new_ms)
+    then = running_ms(new, new_ms, profile, situation, win)
+    move = switch_ms(profile) + profile.p2p_ms_per_mib * \
+        moved_state_bytes(current, new, was, profile.shape) / MIB
+    costs = {"now": move + then}
+    at = None
+    every = situation.save_interval
+    if every > 0:
+        at = -(-(situation.iteration - 1) // every) * every
+        k = at - (situation.iteration - 1)
+        if k < win.iterations:
+            read = switch_ms(profile, loaded_bytes=_loaded_bytes(new, profile))
+            costs["checkpoint"] = read + k * (current_ms - new_ms) + then
+    costs["stay"] = running_ms(current, current_ms, profile, situation, win)
+    action = min(costs, key=costs.get)
+    return RejoinChoice(action, costs, at if action == "checkpoint" else None)
 
 
 def predicted(strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],

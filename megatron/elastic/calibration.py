@@ -183,7 +183,7 @@ def _fit(samples: list[StageSample], base: Profile) -> Profile:
         return None if f is None or b is None else f + b
 
     layer_fwd, head_fwd = fit_layer_costs(per(lambda s: ms(s, "forward-compute")), base.shape)
-    layer_fb, head_fb = fit_layer_costs(per(fwd_bwd), base.shape)
+    layer_fb, head_fb = fit_layer_costs(per(fwd_bwd), base.shape, with_backward=True)
     layer_bwd, head_bwd = max(0.0, layer_fb - layer_fwd), max(0.0, head_fb - head_fwd)
     split = [s for s in samples if ms(s, "backward-input") is not None
              and ms(s, "backward-weight") is not None]

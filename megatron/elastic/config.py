@@ -110,6 +110,9 @@ class ElasticConfig:
     redundancy: Redundancy = "none"
     # --chameleon-mtbf: the planner's horizon (None: the failure rate observed in this job)
     mtbf_hours: float | None = None
+    # --chameleon-repair-minutes: how long a lost slot takes to come back (None: the launcher's
+    # --restart-delay if known, else measured from this job's rejoins)
+    repair_minutes: float | None = None
     profile: str | None = None               # --chameleon-profile: a profile to plan with first
     emulate: str | None = None               # --chameleon-emulate: the emulated device's profile
     emulate_storage_mib_per_s: float = STORAGE_MIB_PER_S    # --chameleon-emulate-storage

@@ -23,6 +23,13 @@ optimizer.clip_grads                            norm buffers on cuda; and
 utils                                           ``local_multi_tensor_l2_norm`` returns a cuda tensor
 transformer.utils                               ``get_default_causal_mask`` builds on "cuda" (used
                                                 when no attention mask is passed, as here)
+models.common.embeddings.rotary_pos_embedding   RoPE moves its frequencies to
+                                                ``torch.cuda.current_device()`` (--position-
+                                                embedding-type rope)
+transformer.moe.router                          the router's weight moved to
+                                                ``torch.cuda.current_device()`` (--num-experts)
+transformer.moe.moe_utils                       the aux-loss tracker's ``torch.zeros(...,
+                                                device="cuda")``
 tensor_parallel.random                          the RNG tracker keeps CUDA generator states; here
                                                 the "cuda" generator is the CPU default generator,
                                                 and its fork() warning about the CPU state changing
@@ -52,6 +59,9 @@ PATCHED_MODULES = (
     "megatron.core.utils",
     "megatron.core.tensor_parallel.random",
     "megatron.core.transformer.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
 )
 
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor")
@@ -134,10 +144,22 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
+def _name_missing_te_gemm() -> None:
+    """megatron-core's MoE router tests ``te_general_gemm is not None`` but defines the name only
+    when transformer-engine imports: without it, an MoE forward raises NameError, CUDA or not."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> None:
-    """Install the patches once per process; a no-op where CUDA is available."""
+    """Install the patches once per process; only the missing-name fix where CUDA is available."""
     global _applied
-    if _applied or not needed():
+    if _applied:
+        return
+    _name_missing_te_gemm()
+    if not needed():
+        _applied = True
         return
     proxy = _CpuTorch()
     for name in PATCHED_MODULES:

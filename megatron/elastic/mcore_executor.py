@@ -40,7 +40,8 @@ class MegatronCoreExecutor(Executor):
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            batch = to_device(rt.get_batch(iteration, mb)) if (rt.first or rt.last) else None
+            reads = rt.first or rt.last or rt.every_stage_reads
+            batch = to_device(rt.get_batch(iteration, mb)) if reads else None
             if rt.first and rt.plan.position(rt.rank).tp_rank == 0:
                 self._samples += int(batch["tokens"].shape[0])
             if rt.before_forward:

@@ -15,6 +15,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.planning.strategies import redundancy
@@ -33,12 +34,12 @@ ModelProvider = Callable[[TransformerConfig, bool, bool, ProcessGroupCollection]
 
 @dataclass
 class SchedulerSettings:
-    """OptimizerParamScheduler's arguments, in iterations (converted to samples here)."""
+    """OptimizerParamScheduler's arguments; its steps count samples, as in Megatron-LM."""
 
     lr: float
     min_lr: float
-    warmup_iters: int
-    decay_iters: int
+    warmup_samples: int
+    decay_samples: int
     decay_style: str
     weight_decay: float
 
@@ -77,6 +78,7 @@ class RuntimeSpec:
     measure_memory: bool = False       # count the activations autograd keeps (memory_meter)
     hooks: StepHooks = StepHooks()     # the executor's calls out (the elastic manager's)
     emulation: Emulation | None = None  # each runtime's ops padded to its emulated device
+    every_stage_reads: bool = False    # the batch carries an attention mask every layer needs
 
 
 def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
@@ -128,14 +130,17 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     optimizer = get_megatron_optimizer(spec.optimizer_config, [model],
                                        use_gloo_process_groups=False, pg_collection=pgs)
     sched = spec.sched
-    gbs = plan.global_batch_size
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if sched.warmup_iters else sched.lr, max_lr=sched.lr,
-        min_lr=sched.min_lr, lr_warmup_steps=sched.warmup_iters * gbs,
-        lr_decay_steps=sched.decay_iters * gbs, lr_decay_style=sched.decay_style,
+        optimizer, init_lr=0.0 if sched.warmup_samples else sched.lr, max_lr=sched.lr,
+        min_lr=sched.min_lr, lr_warmup_steps=sched.warmup_samples,
+        lr_decay_steps=sched.decay_samples, lr_decay_style=sched.decay_style,
         start_wd=sched.weight_decay, end_wd=sched.weight_decay,
-        wd_incr_steps=sched.decay_iters * gbs, wd_incr_style="constant")
+        wd_incr_steps=sched.decay_samples, wd_incr_style="constant")
 
+    if config.num_moe_experts:
+        # The router's aux loss enters each micro-batch's backward at this scale; the main loss
+        # is the mean over the global batch's micro-batches (Executor._fwd), so is this.
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / plan.num_micro_batches)
     rt = StageRuntime(
         rank=rank, plan=plan, model=model, module=module, optimizer=optimizer,
         scheduler=scheduler, get_batch=spec.get_batch, forward_step=spec.forward_step,
@@ -147,7 +152,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         before_forward=seeder.at if seeder else None, timers=timers,
         compute_clock=spec.compute_clock, wgrad=store, grad_reduction=reduction,
         clip_grad=spec.optimizer_config.clip_grad, hooks=spec.hooks,
-        emulation=spec.emulation.device(plan, rank) if spec.emulation else None)
+        emulation=spec.emulation.device(plan, rank) if spec.emulation else None,
+        every_stage_reads=spec.every_stage_reads)
     if spec.measure_memory:
         rt.memory = MemoryMeter(module, first, last)
     pairs = redundancy.shadow_pairs(plan) if spec.eager else []

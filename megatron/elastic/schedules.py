@@ -121,6 +121,9 @@ class StageRuntime:
     shadows: object | None = None  # megatron.elastic.shadows.Shadows: refreshed first
     memory: object | None = None   # megatron.elastic.memory_meter.MemoryMeter
     emulation: EmulatedDevice | None = None  # ops padded to an emulated device's times
+    # Every stage reads the batch (--reset-attention-mask: each layer needs the documents'
+    # attention mask); else only the first (tokens) and the last (labels).
+    every_stage_reads: bool = False
     first: bool = field(init=False)
     last: bool = field(init=False)
 
@@ -381,7 +384,8 @@ class Executor:
     def _fwd(self, op: Op, iteration: int) -> None:
         rt = self.rt
         mb = op.microbatch
-        batch = to_device(rt.get_batch(iteration, mb)) if (rt.first or rt.last) else None
+        reads = rt.first or rt.last or rt.every_stage_reads
+        batch = to_device(rt.get_batch(iteration, mb)) if reads else None
         if rt.first and rt.model.training and rt.plan.position(rt.rank).tp_rank == 0:
             self._samples += int(batch["tokens"].shape[0])
         if rt.before_forward:
@@ -404,6 +408,8 @@ class Executor:
 
     def _bwd(self, op: Op, iteration: int) -> None:
         mb = op.microbatch
+        if self.rt.before_forward:  # activation recompute runs this micro-batch's forward again
+            self.rt.before_forward(iteration, mb)
         out = self._outputs.pop(mb)
         torch.autograd.backward(out, grad_tensors=self._out_grads.pop(mb, None))
         if self.rt.memory and op.kind is OpKind.BWD:

@@ -12,7 +12,7 @@ import argparse
 import importlib.util
 import os
 from pathlib import Path
-from typing import get_args
+from typing import Callable, get_args
 
 from chameleon_ext.control.keys import DEFAULT_HEARTBEAT_TIMEOUT, HEARTBEAT_ENV
 from chameleon_ext.control.faults import FaultSpecError, parse_injects
@@ -20,10 +20,12 @@ from chameleon_ext.planning.perf_model import Profile, ProfileError
 from megatron.elastic.config import (ConfigError, ElasticConfig, Executor, Redundancy, Strategy,
                                      Timeouts)
 from megatron.elastic.emulation import STORAGE_MIB_PER_S
-from megatron.training.config import (Backend, CheckpointConfig, DataConfig, JobConfig,
-                                      LoggingConfig, LRDecayStyle, ModelConfig, Normalization,
+from megatron.training.config import (AttentionBackend, Backend, CheckpointConfig, DataConfig, JobConfig,
+                                      DataloaderType, LoadBalancing, LoggingConfig,
+                                      LRDecayStyle, ModelConfig, Normalization,
                                       ParallelConfig, Placement, PositionEmbedding,
-                                      TrainingConfig, TransformerImpl)
+                                      RecomputeGranularity, RecomputeMethod, TrainingConfig,
+                                      TransformerImpl)
 from megatron.training.tokenizer import TOKENIZER_TYPES
 
 
@@ -59,22 +61,95 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--transformer-impl", choices=get_args(TransformerImpl), default=None,
                    help="default: transformer_engine where it is importable with CUDA, else local")
+    g.add_argument("--swiglu", action="store_true",
+                   help="a gated MLP with SiLU (default --ffn-hidden-size then: 2/3 of 4 x hidden, "
+                        "rounded down to a multiple of 64, as Megatron-LM)")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="key/value heads with --group-query-attention")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the linear layers")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="projection size per head (default: hidden size / heads)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="the same as --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise queries and keys per head")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--attention-backend", choices=get_args(AttentionBackend), default="auto",
+                   help="megatron-core's attention implementation (flash and fused are "
+                        "transformer-engine kernels, CUDA only)")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="scale Q x K^T by 1 / layer number (softmax in fp32)")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+
+    g = p.add_argument_group("moe", "mixture of experts (expert parallel 1)")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer (default: a dense MLP)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's hidden size (default: --ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-load-balancing-type", choices=get_args(LoadBalancing),
+                   default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (needed for top-1)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="only 1: experts are replicated like any layer")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="refused: a CUDA kernel")
+
+    g = p.add_argument_group("activation recompute")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="the same as --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=get_args(RecomputeGranularity),
+                   default=None, help="full: whole layers; selective: the attention core")
+    g.add_argument("--recompute-method", choices=get_args(RecomputeMethod), default=None,
+                   help="with full: uniform (groups of --recompute-num-layers) or block (the "
+                        "first --recompute-num-layers layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro batch size x data parallel size")
-    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--rampup-batch-size", nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="refused: the plan's batch is fixed for now")
+    g.add_argument("--train-iters", type=int, default=None, help="default 20")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="instead of --train-iters: samples to train on (iterations: rounded up)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument("--fp8-format", default=None, help="refused: fp8 needs transformer-engine "
+                                                      "on Hopper GPUs")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="exit (saving a checkpoint with --save) after an iteration divisible by it")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="exit (saving a checkpoint with --save) once training has run this long")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM: save a checkpoint at the next step boundary and exit 0 "
+                        "(with --chameleon, a SIGTERM of one worker is its planned leave)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn off Python's automatic garbage collection; collect every "
+                        "--manual-gc-interval iterations")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="0: only at evaluations and checkpoints")
 
     g = p.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=get_args(LRDecayStyle), default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of the decay span (instead of --lr-warmup-iters)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples (default: --train-samples)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -89,6 +164,20 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="how long the job's start (its rendezvous, building the datasets) may "
                         "wait for the slowest rank")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="only 1: context parallelism is not supported")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="refused: interleaved pipelines are not supported yet")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="refused: interleaved pipelines are not supported yet")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="refused: the sharded optimizer is not supported yet")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="refused: gradients are reduced after the backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="refused: needs the distributed optimizer")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="refused: sequence parallelism is not supported yet")
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -101,11 +190,36 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss on end-of-document tokens")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart after each end-of-document token")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="no attention across end-of-document tokens")
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="threads that read each micro-batch's samples")
+    g.add_argument("--dataloader-type", choices=get_args(DataloaderType), default="single",
+                   help="single: the dataset's order once; cyclic: a new seeded shuffle of it "
+                        "each pass")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist",
+                   help="torch.distributed.checkpoint files with layout-independent keys (they "
+                        "load under another parallel layout)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load the parameters only; the optimizer starts fresh")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="accepted: no RNG state is saved, every random draw is derived from "
+                        "--seed and the iteration")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the parameters only and start at iteration 0")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape from the --load checkpoint")
+    g.add_argument("--async-save", action="store_true",
+                   help="refused: saves are synchronous (a recovery needs a complete one)")
 
     g = p.add_argument_group("logging and validation")
     g.add_argument("--log-interval", type=int, default=1)
@@ -114,6 +228,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0)
     g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="model TFLOP/s per GPU in each iteration line")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
 
     g = p.add_argument_group("chameleon", "fault-tolerance and execution-plan options")
     g.add_argument("--chameleon", action="store_true",
@@ -143,6 +260,11 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--chameleon-mtbf", type=float, default=None, metavar="HOURS",
                    help="mean time between failures, for the planner's horizon (default: the "
                         "failure rate observed in this job, else the iterations left)")
+    g.add_argument("--chameleon-repair-minutes", type=float, default=None, metavar="MINUTES",
+                   help="how long a lost GPU's slot takes to come back (a repair or a "
+                        "replacement), for the planner's window: the next event is a failure "
+                        "or a repair, whichever comes first (default: measured from this "
+                        "job's rejoins)")
     g.add_argument("--chameleon-profile", default=None, metavar="PATH",
                    help="performance-model profile (JSON, e.g. from tools/profile_model.py) to "
                         "plan with until this job's own timers have calibrated one")
@@ -240,7 +362,22 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             tied_embeddings=not args.untie_embeddings_and_output_weights,
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             init_method_std=args.init_method_std, transformer_impl=args.transformer_impl,
-            bf16=args.bf16, fp16=args.fp16),
+            bf16=args.bf16, fp16=args.fp16, swiglu=args.swiglu,
+            num_query_groups=args.num_query_groups if args.group_query_attention else None,
+            add_bias_linear=not args.disable_bias_linear, kv_channels=args.kv_channels,
+            rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+            qk_layernorm=args.qk_layernorm, norm_epsilon=args.norm_epsilon,
+            attention_backend=args.attention_backend,
+            apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+            attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+            num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_router_topk=args.moe_router_topk,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            recompute_granularity=args.recompute_granularity,
+            recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers),
         parallel=ParallelConfig(
             world_size=args.world_size, tensor_parallel=args.tensor_model_parallel_size,
             pipeline_parallel=args.pipeline_model_parallel_size,
@@ -251,23 +388,38 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             train_iters=args.train_iters, seed=args.seed, lr=args.lr, min_lr=args.min_lr,
             lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
+            lr_warmup_fraction=args.lr_warmup_fraction,
             lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
             clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps, eval_interval=args.eval_interval, eval_iters=args.eval_iters),
+            adam_eps=args.adam_eps, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+            lr_warmup_samples=args.lr_warmup_samples or None,
+            lr_decay_samples=args.lr_decay_samples,
+            exit_interval=args.exit_interval,
+            exit_duration_s=(None if args.exit_duration_in_mins is None
+                             else 60.0 * args.exit_duration_in_mins),
+            exit_signal_handler=args.exit_signal_handler, manual_gc=args.manual_gc,
+            manual_gc_interval=args.manual_gc_interval),
         logging=LoggingConfig(
             log_interval=args.log_interval, timing_log_level=args.timing_log_level,
             tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
-            metrics_file=args.chameleon_metrics_file),
+            metrics_file=args.chameleon_metrics_file, log_throughput=args.log_throughput,
+            log_timers_to_tensorboard=args.log_timers_to_tensorboard),
         data=DataConfig(
             data_path=tuple(args.data_path or ()), split=args.split, mock_data=args.mock_data,
             cache_path=args.data_cache_path, tokenizer_type=args.tokenizer_type,
             vocab_file=args.vocab_file, merge_file=args.merge_file,
-            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size),
+            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+            eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
+            reset_attention_mask=args.reset_attention_mask, num_workers=args.num_workers,
+            dataloader_type=args.dataloader_type),
         checkpoint=CheckpointConfig(save=args.save, load=args.load,
-                                    save_interval=args.save_interval),
+                                    save_interval=args.save_interval,
+                                    load_optim=not (args.no_load_optim or args.finetune),
+                                    finetune=args.finetune),
         elastic=ElasticConfig(
             enabled=args.chameleon, strategy=args.chameleon_strategy,
             redundancy=args.chameleon_redundancy, mtbf_hours=args.chameleon_mtbf,
+            repair_minutes=args.chameleon_repair_minutes,
             profile=args.chameleon_profile, emulate=args.chameleon_emulate,
             emulate_storage_mib_per_s=args.chameleon_emulate_storage,
             emulate_dilation=args.chameleon_emulate_dilation, inject=inject,
@@ -288,9 +440,14 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         if not cond:
             raise ArgumentError(msg)
 
+    _refuse_unsupported(args)
+    if args.use_checkpoint_args:
+        _apply_checkpoint_args(args)
+    _train_span(args)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "train_iters", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "log_interval"):
+                 "pipeline_model_parallel_size", "log_interval", "num_query_groups",
+                 "rotary_base"):
         need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     args.world_size = world_size
@@ -313,17 +470,64 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         need(args.global_batch_size % (args.micro_batch_size * dp) == 0,
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
              f"{args.micro_batch_size} x data parallel size {dp}")
-    need(args.hidden_size % args.num_attention_heads == 0,
-         f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-         f"{args.num_attention_heads}")
+    if args.kv_channels is None:
+        need(args.hidden_size % args.num_attention_heads == 0,
+             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+             f"{args.num_attention_heads} (or give --kv-channels)")
+    else:
+        need(args.kv_channels >= 1, "--kv-channels must be at least 1")
     need(args.num_attention_heads % tp == 0,
          f"--num-attention-heads {args.num_attention_heads} is not divisible by "
          f"--tensor-model-parallel-size {tp}")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        need(args.num_attention_heads % groups == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--num-query-groups {groups}")
+        need(groups % tp == 0, f"--num-query-groups {groups} is not divisible by "
+                               f"--tensor-model-parallel-size {tp}")
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
-    need(args.ffn_hidden_size % tp == 0,
-         f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
-         f"--tensor-model-parallel-size {tp}")
+        # Megatron-LM's SwiGLU default keeps the MLP's parameters near a 4h GELU MLP's
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
+        need(args.ffn_hidden_size >= 1, f"--swiglu's default --ffn-hidden-size is 0 at "
+                                        f"--hidden-size {args.hidden_size}: give one")
+    for flag, size in (("--ffn-hidden-size", args.ffn_hidden_size),
+                       ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size)):
+        need(size is None or size >= 1, f"{flag} must be at least 1")
+        need(size is None or size % tp == 0,
+             f"{flag} {size} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    need(0.0 < args.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1]")
+    need(args.norm_epsilon > 0, "--norm-epsilon must be positive")
+    if args.num_experts is not None:
+        need(args.num_experts >= 1, "--num-experts must be at least 1")
+        need(1 <= args.moe_router_topk <= args.num_experts,
+             f"--moe-router-topk {args.moe_router_topk} must be in 1..--num-experts "
+             f"{args.num_experts}")
+        need(args.moe_aux_loss_coeff >= 0, "--moe-aux-loss-coeff must be non-negative")
+        # megatron-core 0.16.1's SequentialMLP adds an expert's bias in place to a view that
+        # autograd refuses to modify; MoE recipes (Mixtral, DeepSeek) have no biases anyway
+        # megatron-core's token dispatcher gathers tokens over the TP group, which holds
+        # each token once only with sequence parallelism (Megatron-LM asserts the same)
+        need(tp == 1, "--num-experts with --tensor-model-parallel-size > 1 needs "
+                      "--sequence-parallel, which is not supported yet")
+        need(args.disable_bias_linear,
+             "--num-experts needs --disable-bias-linear (megatron-core's experts fail with "
+             "biases without the grouped GEMM)")
+    if args.recompute_activations:
+        need(args.recompute_granularity in (None, "selective"),
+             "--recompute-activations is --recompute-granularity selective")
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full":
+        need(args.recompute_method is not None,
+             "--recompute-granularity full needs --recompute-method uniform|block")
+        need(args.recompute_num_layers is not None and args.recompute_num_layers >= 1,
+             "--recompute-granularity full needs --recompute-num-layers N >= 1")
+    else:
+        need(args.recompute_method is None and args.recompute_num_layers is None,
+             "--recompute-method and --recompute-num-layers go with --recompute-granularity full")
     # The padded vocabulary does not grow with TP (training._pad_vocab), so its multiple must
     # split evenly over the tensor-parallel ranks.
     need(args.make_vocab_size_divisible_by >= 1 and args.make_vocab_size_divisible_by % tp == 0,
@@ -339,8 +543,23 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     need(args.lr >= args.min_lr >= 0.0, "--lr must be >= --min-lr >= 0")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    need(args.lr_warmup_iters <= args.lr_decay_iters,
-         f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
+    if args.lr_warmup_fraction is not None:
+        need(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must be in [0, 1]")
+        need(args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0,
+             "--lr-warmup-fraction excludes --lr-warmup-iters and --lr-warmup-samples")
+    # megatron-core's scheduler needs the warm-up to end before the decay does
+    need(args.lr_warmup_iters < args.lr_decay_iters or args.lr_warmup_iters == 0,
+         f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
+         f"{args.lr_decay_iters}")
+    if args.lr_decay_samples is not None:
+        need(args.lr_warmup_samples < args.lr_decay_samples or args.lr_warmup_samples == 0,
+             f"--lr-warmup-samples {args.lr_warmup_samples} must be below --lr-decay-samples "
+             f"{args.lr_decay_samples}")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        value = getattr(args, name)
+        need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive")
+    need(args.manual_gc_interval >= 0, "--manual-gc-interval must be non-negative")
+    need(args.num_workers >= 0, "--num-workers must be non-negative")
 
     need(args.tokenizer_type in TOKENIZER_TYPES,
          f"unknown --tokenizer-type {args.tokenizer_type!r}; choose one of "
@@ -365,6 +584,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 
     need(not (args.chameleon_redundancy == "eager" and args.chameleon_executor != "ir"),
          "--chameleon-redundancy eager needs --chameleon-executor ir")
+    need(args.recompute_granularity is None or args.chameleon_executor == "ir",
+         "activation recompute needs --chameleon-executor ir: it reseeds dropout for the "
+         "recomputed micro-batch")
     need(not (args.chameleon and args.chameleon_executor != "ir"),
          "--chameleon recovers only with --chameleon-executor ir")
     if args.chameleon_placement is None:
@@ -374,6 +596,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
          "step's commit point, so a re-run step would update it twice (use --bf16)")
     need(args.chameleon_mtbf is None or args.chameleon_mtbf > 0,
          "--chameleon-mtbf must be positive (hours)")
+    need(args.chameleon_repair_minutes is None or args.chameleon_repair_minutes > 0,
+         "--chameleon-repair-minutes must be positive")
     if args.chameleon_profile is not None:
         need(Path(args.chameleon_profile).is_file(),
              f"--chameleon-profile {args.chameleon_profile}: no such file")
@@ -402,6 +626,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         args.transformer_impl = "transformer_engine" if te else "local"
     need(args.transformer_impl == "local" or te,
          "--transformer-impl transformer_engine needs transformer-engine and CUDA")
+    need(args.attention_backend not in ("flash", "fused")
+         or args.transformer_impl == "transformer_engine",
+         f"--attention-backend {args.attention_backend} is a transformer-engine kernel: it needs "
+         "--transformer-impl transformer_engine (and CUDA)")
     if args.save_interval is not None:
         need(args.save_interval >= 1, "--save-interval must be at least 1")
         need(args.save is not None, "--save-interval needs --save DIR")
@@ -411,6 +639,92 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.load is not None:
         need(Path(args.load).is_dir() or not Path(args.load).exists(),
              f"--load {args.load} is not a directory")
+
+
+# Megatron-LM flags this job cannot honour yet, each with the reason its line gives; checked
+# before anything else so that no other complaint hides them.
+_REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
+    ("--rampup-batch-size", lambda a: a.rampup_batch_size is not None,
+     "batch-size ramp-up is not supported yet (the plan's global batch is fixed): set "
+     "--global-batch-size"),
+    ("--context-parallel-size", lambda a: a.context_parallel_size != 1,
+     "context parallelism is not supported (only 1)"),
+    ("--expert-model-parallel-size", lambda a: a.expert_model_parallel_size != 1,
+     "expert parallelism is not supported (only 1: experts are replicated like any layer)"),
+    ("--num-layers-per-virtual-pipeline-stage",
+     lambda a: a.num_layers_per_virtual_pipeline_stage is not None,
+     "interleaved pipelines are not supported yet"),
+    ("--num-virtual-stages-per-pipeline-rank",
+     lambda a: a.num_virtual_stages_per_pipeline_rank is not None,
+     "interleaved pipelines are not supported yet"),
+    ("--use-distributed-optimizer", lambda a: a.use_distributed_optimizer,
+     "the sharded optimizer is not supported yet: every data-parallel replica holds the whole "
+     "optimizer state, which recovery copies from"),
+    ("--overlap-grad-reduce", lambda a: a.overlap_grad_reduce,
+     "gradients are reduced after the backward, not overlapped with it"),
+    ("--overlap-param-gather", lambda a: a.overlap_param_gather,
+     "it needs the distributed optimizer, which is not supported yet"),
+    ("--sequence-parallel", lambda a: a.sequence_parallel,
+     "sequence parallelism is not supported yet"),
+    ("--fp8-format", lambda a: a.fp8_format is not None,
+     "fp8 needs transformer-engine on a Hopper GPU and is not supported yet"),
+    ("--moe-grouped-gemm", lambda a: a.moe_grouped_gemm,
+     "grouped GEMM is a CUDA kernel; experts run as separate MLPs"),
+    ("--async-save", lambda a: a.async_save,
+     "saves are synchronous: a recovery or restart needs a complete checkpoint"),
+)
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    for flag, given, why in _REFUSED:
+        if given(args):
+            raise ArgumentError(f"{flag}: {why}")
+
+
+def _train_span(args: argparse.Namespace) -> None:
+    """--train-iters or --train-samples (then the LR span in samples too), as Megatron-LM."""
+    if args.train_samples is None:
+        if args.train_iters is None:
+            args.train_iters = 20
+        if args.lr_decay_samples is not None or args.lr_warmup_samples:
+            raise ArgumentError("--lr-decay-samples and --lr-warmup-samples go with "
+                                "--train-samples; with --train-iters use --lr-decay-iters and "
+                                "--lr-warmup-iters")
+        return
+    if args.train_iters is not None:
+        raise ArgumentError("--train-iters and --train-samples exclude each other")
+    if args.lr_decay_iters is not None or args.lr_warmup_iters:
+        raise ArgumentError("--lr-decay-iters and --lr-warmup-iters go with --train-iters; with "
+                            "--train-samples use --lr-decay-samples and --lr-warmup-samples")
+    if args.train_samples < 1:
+        raise ArgumentError("--train-samples must be at least 1")
+    gbs = args.global_batch_size or args.micro_batch_size
+    args.train_iters = -(-args.train_samples // gbs)     # the last batch completes the samples
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
+
+
+def _apply_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: the model's shape flags from the --load checkpoint's meta."""
+    if args.load is None:
+        raise ArgumentError("--use-checkpoint-args needs --load DIR")
+    from megatron.training import checkpointing   # torch's import, only for this flag
+    try:
+        saved = checkpointing.model_args(args.load)
+    except checkpointing.CheckpointError as e:
+        raise ArgumentError(f"--use-checkpoint-args: {e}") from None
+    if saved is None:
+        raise ArgumentError(f"--use-checkpoint-args: no checkpoint under --load {args.load}")
+    for name, value in saved.items():
+        if name == "tied_embeddings":
+            args.untie_embeddings_and_output_weights = not value
+        elif name == "add_bias_linear":
+            args.disable_bias_linear = not value
+        elif name == "num_query_groups":
+            args.group_query_attention = value is not None
+            args.num_query_groups = value or 1
+        else:
+            setattr(args, name, value)
 
 
 def _cuda_available() -> bool:

@@ -3,7 +3,8 @@
 Each parameter and its Adam moments are stored under the parameter's global name (layer i is
 `decoder.layers.i...` whichever stage holds it), so a checkpoint written under one plan loads under
 any plan with the same model and tensor-parallel size; replicas write a key once (DCP dedups).
-The LR scheduler, iteration and consumed samples go to meta.json. RNG state is not needed:
+The LR scheduler, iteration, consumed samples and the model's flags (for
+--use-checkpoint-args) go to meta.json. RNG state is not needed (--no-load-rng changes nothing):
 dropout is reseeded from (seed, iteration, micro-batch, layer).
 
 Atomic: a checkpoint is written to `iter_N.tmp/`, renamed to `iter_N/` once complete, and only
@@ -42,9 +43,12 @@ def _dir(root: str, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool) -> dict:
+def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool,
+                optimizer: bool = True) -> dict:
     params = state_transfer.named_parameters(rt, tied_embeddings)
     sd: dict[str, torch.Tensor] = {f"model/{k}": p.data for k, p in params.items()}
+    if not optimizer:
+        return sd
     by_id = {id(p): k for k, p in params.items()}
     for opt in state_transfer.torch_optimizers(rt.optimizer):
         for group in opt.param_groups:
@@ -122,21 +126,46 @@ def latest_iteration(root: str) -> int | None:
     return it
 
 
-def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
-         timeout: float | None = None) -> dict | None:
-    """Load the latest checkpoint under `root` into the runtime (collective); returns its meta,
-    or None if there is none. `expect` holds model settings that must match the
-    checkpoint's; `timeout` as for save."""
+def _latest_meta(root: str) -> tuple[Path, dict] | None:
     it = latest_iteration(root)
     if it is None:
         return None
     d = _dir(root, it)
-    meta = json.loads((d / "meta.json").read_text())
+    try:
+        return d, json.loads((d / "meta.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{d / 'meta.json'} is not valid JSON: {e}") from None
+
+
+def model_args(root: str) -> dict | None:
+    """The model flags (ModelConfig fields) the latest checkpoint under `root` was trained
+    with, for --use-checkpoint-args; None if there is no checkpoint."""
+    found = _latest_meta(root)
+    if found is None:
+        return None
+    d, meta = found
+    if "model_args" not in meta:
+        raise CheckpointError(f"checkpoint {d} records no model arguments")
+    return meta["model_args"]
+
+
+def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
+         timeout: float | None = None, optimizer: bool = True,
+         scheduler: bool = True) -> dict | None:
+    """Load the latest checkpoint under `root` into the runtime (collective); returns its meta,
+    or None if there is none. `expect` holds model settings that must match the
+    checkpoint's; `timeout` as for save; without `optimizer` (--no-load-optim, --finetune)
+    the Adam state stays fresh, without `scheduler` (--finetune) the LR schedule too."""
+    found = _latest_meta(root)
+    if found is None:
+        return None
+    d, meta = found
     for k, v in expect.items():
         if meta.get(k) != v:
             raise CheckpointError(f"checkpoint {d} has {k}={meta.get(k)!r}, this run has {v!r}")
     with _group(timeout) as group:
-        dcp.load(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(d),
-                 process_group=group)
-    rt.scheduler.load_state_dict(meta["scheduler"])
+        dcp.load(_state_dict(rt, tied_embeddings, create_missing=True, optimizer=optimizer),
+                 checkpoint_id=str(d), process_group=group)
+    if scheduler:
+        rt.scheduler.load_state_dict(meta["scheduler"])
     return meta

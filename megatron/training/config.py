@@ -19,6 +19,12 @@ TransformerImpl = Literal["local", "transformer_engine"]
 Backend = Literal["nccl", "gloo"]
 Placement = Literal["spread", "megatron"]
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
+# --attention-backend: megatron-core's AttnBackend names; flash and fused are CUDA kernels
+AttentionBackend = Literal["auto", "local", "unfused", "flash", "fused"]
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
+LoadBalancing = Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"]
+DataloaderType = Literal["single", "cyclic"]
 
 
 @dataclass(frozen=True)
@@ -39,11 +45,48 @@ class ModelConfig:
     attention_dropout: float = 0.1           # --attention-dropout
     init_method_std: float = 0.02            # --init-method-std
     transformer_impl: TransformerImpl = "local"   # --transformer-impl (default: TE with CUDA)
+    # Llama-style shapes
+    swiglu: bool = False                     # --swiglu: a gated fc1 ([gate, up]) with SiLU
+    num_query_groups: int | None = None      # --num-query-groups with --group-query-attention
+    add_bias_linear: bool = True             # not --disable-bias-linear
+    kv_channels: int | None = None           # --kv-channels (default hidden / heads)
+    rotary_base: int = 10000                 # --rotary-base
+    rotary_percent: float = 1.0              # --rotary-percent
+    qk_layernorm: bool = False               # --qk-layernorm
+    norm_epsilon: float = 1e-5               # --norm-epsilon
+    attention_backend: AttentionBackend = "auto"    # --attention-backend
+    apply_query_key_layer_scaling: bool = False     # --apply-query-key-layer-scaling
+    attention_softmax_in_fp32: bool = False  # --attention-softmax-in-fp32
+    # Mixture of experts (expert parallel 1): None is a dense MLP
+    num_experts: int | None = None           # --num-experts
+    moe_ffn_hidden_size: int | None = None   # --moe-ffn-hidden-size (default --ffn-hidden-size)
+    moe_router_topk: int = 2                 # --moe-router-topk
+    moe_router_load_balancing_type: LoadBalancing = "aux_loss"  # --moe-router-load-balancing-type
+    moe_aux_loss_coeff: float = 0.0          # --moe-aux-loss-coeff
+    moe_router_pre_softmax: bool = False     # --moe-router-pre-softmax
+    # Activation recompute: None keeps every activation
+    recompute_granularity: RecomputeGranularity | None = None   # --recompute-granularity
+    recompute_method: RecomputeMethod | None = None             # --recompute-method
+    recompute_num_layers: int | None = None                     # --recompute-num-layers
     bf16: bool = False                       # --bf16
     fp16: bool = False                       # --fp16
     # The tokenizer's vocabulary padded to a multiple of --make-vocab-size-divisible-by; known
     # once the tokenizer is built (training.pretrain), 0 until then.
     padded_vocab_size: int = 0
+
+    def shape_args(self) -> dict:
+        """The fields that shape the parameters, as a checkpoint records them for
+        --use-checkpoint-args (each named as its flag's destination, but tied_embeddings,
+        add_bias_linear and num_query_groups, which arguments._apply_checkpoint_args maps)."""
+        return {name: getattr(self, name) for name in _SHAPE_FIELDS}
+
+
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                 "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
+                 "position_embedding_type", "normalization", "tied_embeddings", "swiglu",
+                 "num_query_groups", "add_bias_linear", "kv_channels", "rotary_base",
+                 "rotary_percent", "qk_layernorm", "norm_epsilon", "num_experts",
+                 "moe_ffn_hidden_size", "moe_router_topk")
 
 
 @dataclass(frozen=True)
@@ -77,8 +120,13 @@ class TrainingConfig:
     lr: float = 1e-3                         # --lr
     min_lr: float = 0.0                      # --min-lr
     lr_decay_style: LRDecayStyle = "linear"  # --lr-decay-style
-    lr_warmup_iters: int = 0                 # --lr-warmup-iters
+    lr_warmup_iters: int = 0                 # --lr-warmup-iters (or --lr-warmup-fraction)
     lr_decay_iters: int = 0                  # --lr-decay-iters (default --train-iters)
+    # --lr-warmup-samples / --lr-decay-samples (with --train-samples): when given, the schedule
+    # counts these samples instead of the iterations above times the global batch
+    lr_warmup_samples: int | None = None
+    lr_decay_samples: int | None = None
+    lr_warmup_fraction: float | None = None  # --lr-warmup-fraction: of the decay span
     weight_decay: float = 0.01               # --weight-decay
     clip_grad: float = 1.0                   # --clip-grad
     adam_beta1: float = 0.9                  # --adam-beta1
@@ -86,6 +134,22 @@ class TrainingConfig:
     adam_eps: float = 1e-8                   # --adam-eps
     eval_interval: int | None = None         # --eval-interval (None: no evaluation)
     eval_iters: int = 2                      # --eval-iters: batches per evaluation
+    exit_interval: int | None = None         # --exit-interval: stop after a multiple of it
+    exit_duration_s: float | None = None     # --exit-duration-in-mins, converted
+    exit_signal_handler: bool = False        # --exit-signal-handler: SIGTERM saves and exits 0
+    manual_gc: bool = False                  # --manual-gc: no automatic garbage collection
+    manual_gc_interval: int = 0              # --manual-gc-interval (0: at evals and saves only)
+
+    def schedule_samples(self) -> tuple[int, int]:
+        """(warm-up, decay) of the LR schedule in samples, as megatron-core's scheduler counts."""
+        gbs = self.global_batch_size
+        decay = self.lr_decay_samples if self.lr_decay_samples is not None \
+            else self.lr_decay_iters * gbs
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * decay), decay
+        warmup = self.lr_warmup_samples if self.lr_warmup_samples is not None \
+            else self.lr_warmup_iters * gbs
+        return warmup, decay
 
 
 @dataclass(frozen=True)
@@ -97,6 +161,8 @@ class LoggingConfig:
     tensorboard_dir: str | None = None       # --tensorboard-dir
     progress_bar: bool = True                # not --no-progress-bar
     metrics_file: str | None = None          # --chameleon-metrics-file: JSON-lines events
+    log_throughput: bool = False             # --log-throughput: model TFLOP/s per GPU
+    log_timers_to_tensorboard: bool = False  # --log-timers-to-tensorboard
 
 
 @dataclass(frozen=True)
@@ -113,6 +179,11 @@ class DataConfig:
     merge_file: str | None = None            # --merge-file
     tokenizer_model: str | None = None       # --tokenizer-model
     vocab_size: int | None = None            # --vocab-size (NullTokenizer)
+    eod_mask_loss: bool = False              # --eod-mask-loss
+    reset_position_ids: bool = False         # --reset-position-ids
+    reset_attention_mask: bool = False       # --reset-attention-mask
+    num_workers: int = 2                     # --num-workers: threads reading a micro-batch
+    dataloader_type: DataloaderType = "single"   # --dataloader-type
 
 
 @dataclass(frozen=True)
@@ -122,6 +193,8 @@ class CheckpointConfig:
     save: str | None = None                  # --save: where checkpoints are written
     load: str | None = None                  # --load: where the first one is read from
     save_interval: int | None = None         # --save-interval: iterations between saves
+    load_optim: bool = True                  # not --no-load-optim (nor --finetune)
+    finetune: bool = False                   # --finetune: parameters only, from iteration 0
 
 
 @dataclass(frozen=True)

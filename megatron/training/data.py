@@ -24,6 +24,7 @@ import copy
 import logging
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy
@@ -198,7 +199,8 @@ def _builder_class():
 def build_gpt_datasets(*, data_path: Optional[Sequence[str]], mock_data: bool, split: str,
                        seq_length: int, seed: int, tokenizer, train_samples: int,
                        valid_samples: int, test_samples: int,
-                       data_cache_path: Optional[str] = None):
+                       data_cache_path: Optional[str] = None, eod_mask_loss: bool = False,
+                       reset_position_ids: bool = False, reset_attention_mask: bool = False):
     """(train, valid, test) GPT datasets; None for a split of weight 0, or one asked for 0
     samples that holds no documents.
 
@@ -245,10 +247,11 @@ def build_gpt_datasets(*, data_path: Optional[Sequence[str]], mock_data: bool, s
         split=split,
         path_to_cache=os.fspath(data_cache_path) if data_cache_path else None,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        # the causal mask is implied unless documents must not attend to each other
+        create_attention_mask=reset_attention_mask,
         mmap_bin_files=True,
     )
     if not mock_data:
@@ -269,13 +272,18 @@ class MicroBatchLoader:
     """Micro-batches by (iteration, global micro-batch id), independent of the parallel layout.
 
     ``get(i, g)`` stacks dataset samples ``(i * num_micro_batches + g) * micro_batch_size + j``
-    for j in range(micro_batch_size) (megatron-core GPTDataset ``__getitem__`` dicts) into
+    for j in range(micro_batch_size) (megatron-core GPTDataset ``__getitem__`` dicts; with
+    ``cyclic``, that index k is the dataset's sample ``perm_e[k mod n]``, a permutation seeded by
+    (seed, epoch e = k // n), so training cycles through ever-reshuffled passes) into
     tokens [b, s] int64, labels [b, s] int64, loss_mask [b, s] float32, position_ids [b, s]
     int64, and attention_mask [b, 1, s, s] bool only if the dataset makes one. Non-tensor fields
     (a BlendedDataset's dataset_id) are dropped.
     """
 
-    def __init__(self, dataset, micro_batch_size: int, num_micro_batches: int) -> None:
+    def __init__(self, dataset, micro_batch_size: int, num_micro_batches: int, *,
+                 num_workers: int = 0, cyclic_seed: Optional[int] = None) -> None:
+        """`num_workers` >= 2: threads that read one micro-batch's samples at once
+        (--num-workers); `cyclic_seed`: --dataloader-type cyclic with this seed."""
         if dataset is None:
             raise DataError("MicroBatchLoader got no dataset (is its --split weight 0?)")
         if int(micro_batch_size) < 1 or int(num_micro_batches) < 1:
@@ -284,6 +292,19 @@ class MicroBatchLoader:
         self.dataset = dataset
         self.micro_batch_size = int(micro_batch_size)
         self.num_micro_batches = int(num_micro_batches)
+        self.cyclic_seed = cyclic_seed
+        self._epoch: Tuple[int, Optional[torch.Tensor]] = (-1, None)
+        self._pool = ThreadPoolExecutor(num_workers) if num_workers >= 2 else None
+
+    def _sample(self, k: int):
+        if self.cyclic_seed is None:
+            return self.dataset[k]
+        n = len(self.dataset)
+        epoch, position = divmod(k, n)
+        if self._epoch[0] != epoch:
+            gen = torch.Generator().manual_seed(self.cyclic_seed + epoch)
+            self._epoch = (epoch, torch.randperm(n, generator=gen))
+        return self.dataset[int(self._epoch[1][position])]
 
     @property
     def samples_per_iteration(self) -> int:
@@ -307,13 +328,14 @@ class MicroBatchLoader:
     def get(self, iteration: int, microbatch: int) -> Dict[str, torch.Tensor]:
         indices = self.sample_indices(iteration, microbatch)
         n = len(self.dataset)
-        if indices.stop > n:
+        if indices.stop > n and self.cyclic_seed is None:
             raise DatasetExhaustedError(
                 f"iteration {iteration} micro-batch {microbatch} needs dataset samples "
                 f"{indices.start}..{indices.stop - 1}, but the dataset has {n} "
                 f"({n // self.samples_per_iteration} iterations of {self.samples_per_iteration}); "
                 f"build it with more samples")
-        samples = [self.dataset[i] for i in indices]
+        samples = list(self._pool.map(self._sample, indices) if self._pool
+                       else map(self._sample, indices))
         batch = {}
         for key, value in samples[0].items():
             if isinstance(value, torch.Tensor):

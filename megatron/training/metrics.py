@@ -47,6 +47,12 @@ class Tensorboard:
                 if v is not None:
                     self._w.add_scalar(k, v, step)
 
+    def timers(self, timers, names: list[str], step: int, normalizer: float) -> None:
+        """--log-timers-to-tensorboard: megatron-core's Timers.write, the max over ranks of
+        each timer (collective: every rank calls it, the lead writes). Not reset: the log
+        line's timers string, read after, resets them."""
+        timers.write(names, self._w, step, normalizer=normalizer, reset=False)
+
     def close(self) -> None:
         if self._w:
             self._w.flush()
@@ -55,13 +61,16 @@ class Tensorboard:
 
 def iteration_line(*, iteration: int, train_iters: int, consumed: int, elapsed_ms: float, lr: float,
                    gbs: int, loss: float, grad_norm: float | None, tokens_per_s: float,
-                   skipped: int) -> str:
-    """The line Megatron-LM's training_log prints, with throughput in tokens/s."""
+                   skipped: int, tflops_per_gpu: float | None = None) -> str:
+    """The line Megatron-LM's training_log prints, with throughput in tokens/s (and, with
+    --log-throughput, the model's TFLOP/s per GPU)."""
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
+    flops = (f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |"
+             if tflops_per_gpu is not None else "")
     return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed:12d} |"
-            f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+            f" elapsed time per iteration (ms): {elapsed_ms:.1f} |{flops}"
             f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |"
             f" lm loss: {loss:.6E} |{norm}"
             f" tokens per second: {tokens_per_s:.1f} |"

@@ -20,9 +20,22 @@ _CPU_LINKS = dict(p2p_alpha_ms=0.05, p2p_ms_per_mib=0.5, allreduce_alpha_ms=0.1,
 
 
 def model_shape(model: ModelConfig, micro_batch_size: int) -> ModelShape:
+    """The performance model's view of the model flags. Full recompute is costed as every
+    layer recomputed on its own (--recompute-method uniform, --recompute-num-layers 1)."""
     return ModelShape(model.num_layers, model.hidden_size, model.num_attention_heads,
                       model.seq_length, micro_batch_size, model.padded_vocab_size,
-                      model.ffn_hidden_size, 2 if (model.bf16 or model.fp16) else 4)
+                      model.ffn_hidden_size, 2 if (model.bf16 or model.fp16) else 4,
+                      num_query_groups=model.num_query_groups or 0,
+                      kv_channels=model.kv_channels or 0, gated_linear_unit=model.swiglu,
+                      add_bias_linear=model.add_bias_linear,
+                      tied_embeddings=model.tied_embeddings,
+                      learned_positions=model.position_embedding_type == "learned_absolute",
+                      max_position_embeddings=model.max_position_embeddings,
+                      normalization=model.normalization, qk_layernorm=model.qk_layernorm,
+                      num_experts=model.num_experts or 0,
+                      moe_ffn_hidden_size=model.moe_ffn_hidden_size or 0,
+                      moe_router_topk=model.moe_router_topk,
+                      recompute=model.recompute_granularity or "")
 
 
 def base_profile(shape: ModelShape, profile_file: str | None, cuda: bool) -> Profile:
@@ -51,9 +64,22 @@ class JobClock:
     train_iters: int
     mtbf_hours: float | None           # --chameleon-mtbf (None: this job's failure rate)
     eager_redundancy: bool
+    # --chameleon-repair-minutes (None: the median of this job's rejoins, once there is one;
+    # before, the planner's horizon rule)
+    repair_minutes: float | None = None
     started: float = field(default_factory=time.monotonic)
     failures: int = 0
     iteration_ms: list[float] = field(default_factory=list)
+    repairs_s: list[float] = field(default_factory=list)   # failure -> rejoin, measured
+
+    def rejoined(self, seconds_since_failure: float) -> None:
+        """A lost rank came back `seconds_since_failure` after its failure."""
+        self.repairs_s.append(seconds_since_failure)
+
+    def repair_hours(self) -> float | None:
+        if self.repair_minutes is not None:
+            return self.repair_minutes / 60.0
+        return statistics.median(self.repairs_s) / 3600.0 if self.repairs_s else None
 
     def situation(self, iteration: int) -> Situation:
         """At a failure during `iteration` (counted as one more failure of this job)."""
@@ -69,7 +95,8 @@ class JobClock:
                          mtbf_hours=mtbf,
                          failure_free_ms=statistics.median(recent) if recent else 0.0,
                          save_interval=self.checkpoint.save_interval or 0,
-                         eager_redundancy=self.eager_redundancy)
+                         eager_redundancy=self.eager_redundancy,
+                         repair_hours=self.repair_hours())
 
 
 @dataclass

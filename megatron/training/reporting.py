@@ -28,6 +28,8 @@ class Reporter:
     train_iters: int
     seq_length: int                              # tokens per sample, for the throughput
     lead: bool                                   # rank 0 of the current world
+    # the model's training FLOPs per sample, for --log-throughput (0: not logged)
+    flops_per_sample: float = 0.0
     metrics: MetricsFile = field(init=False)
     tb: Tensorboard = field(init=False)
     bar: object = field(init=False, default=None)
@@ -88,6 +90,8 @@ class Reporter:
         if self.check and self.check.add(ms):
             self.prediction()
         tokens_per_s = plan.global_batch_size * self.seq_length / (ms / 1e3)
+        tflops = (self.flops_per_sample * plan.global_batch_size / (ms / 1e3) / 1e12
+                  / plan.world_size if self.flops_per_sample else None)
         self.last_record = dict(iteration=it, loss=res.loss, consumed_samples=consumed,
                                 elapsed_ms=round(ms, 3), tokens_per_s=round(tokens_per_s, 1),
                                 world=plan.world_size, generation=plan.generation,
@@ -96,12 +100,12 @@ class Reporter:
             self.metrics.write("iteration", **self.last_record)
         self.tb.scalars(it, **{"lm loss": res.loss, "learning-rate": lr,
                                "grad-norm": res.grad_norm, "iteration-time": ms / 1e3,
-                               "tokens-per-second": tokens_per_s})
+                               "tokens-per-second": tokens_per_s, "throughput": tflops})
         if it % self.logging.log_interval == 0:
             self.line(iteration_line(
                 iteration=it, train_iters=self.train_iters, consumed=consumed, elapsed_ms=ms, lr=lr,
                 gbs=plan.global_batch_size, loss=res.loss, grad_norm=res.grad_norm,
-                tokens_per_s=tokens_per_s, skipped=self.skipped))
+                tokens_per_s=tokens_per_s, skipped=self.skipped, tflops_per_gpu=tflops))
             text = timers_text()
             if text:
                 self.line(text.rstrip())
@@ -286,6 +290,7 @@ class Reporter:
         tokens_per_iter = plan.global_batch_size * self.seq_length
         summary = {
             "iterations": len(losses), "first_iteration": start + 1,
+            "last_iteration": self.last_record["iteration"] if self.last_record else start,
             "final_loss": losses[-1] if losses else None,
             "median_iteration_ms": median_ms,
             "tokens_per_s": tokens_per_iter / (median_ms / 1e3) if steady else None,
@@ -298,7 +303,7 @@ class Reporter:
         if self.lead:
             print("-" * 72)
             print(f" training summary: {summary['iterations']} iterations "
-                  f"({summary['first_iteration']}..{self.train_iters}) on {plan.world_size} ranks "
+                  f"({summary['first_iteration']}..{summary['last_iteration']}) on {plan.world_size} ranks "
                   f"({layout_text(plan)})")
             if losses:
                 print(f"   loss: {losses[0]:.4f} -> {losses[-1]:.4f}")

@@ -35,7 +35,7 @@ from chameleon_ext.control.world import PeerLost
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.planning.decider import Planning
 from chameleon_ext.planning.decision import Decision
-from chameleon_ext.planning.perf_model import Profile, ProfileError, predict_plan
+from chameleon_ext.planning.perf_model import ModelShape, Profile, ProfileError, predict_plan
 from chameleon_ext.planning.strategies import redundancy
 from chameleon_ext.schedule.ir import COMPUTE
 from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
@@ -46,8 +46,9 @@ from megatron.elastic.manager import (PHASE_OF, Admission, DisabledManager, Elas
                                       PlannedSwitch, Unrecoverable)
 from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock, StepHooks
 from megatron.training import checkpointing, planning
-from megatron.training.config import JobConfig, ParallelConfig
+from megatron.training.config import JobConfig, ModelConfig, ParallelConfig
 from megatron.training.data import DataError, MicroBatchLoader
+from megatron.training.exit_conditions import ExitConditions, ExitVerdict
 from megatron.training.metrics import Stopwatch
 from megatron.training.reporting import Reporter
 
@@ -122,7 +123,8 @@ class Trainer:
             self.calibration = LiveCalibration(store, int(os.environ["RANK"]), self.timers,
                                                base, compute_clock)
             self.clock = planning.JobClock(config.checkpoint, config.training.train_iters,
-                                           elastic.mtbf_hours, elastic.eager)
+                                           elastic.mtbf_hours, elastic.eager,
+                                           elastic.repair_minutes)
             self.elastic = ElasticManager(
                 elastic, store, injector, Planning(self.calibration.profile, self.clock.situation),
                 target=plan, backend=config.parallel.backend, placement=config.parallel.placement)
@@ -141,10 +143,14 @@ class Trainer:
             # Megatron: megatron-core's dataset builder holds every rank in a barrier while
             # rank 0 writes the index cache, seconds on a loaded host.
             self.elastic.bound_world_ops()
+        data = config.data
+        reading = dict(num_workers=data.num_workers,
+                       cyclic_seed=config.training.seed if data.dataloader_type == "cyclic"
+                       else None)
         self.train_loader = MicroBatchLoader(train_ds, plan.micro_batch_size,
-                                             plan.num_micro_batches)
+                                             plan.num_micro_batches, **reading)
         self.valid_loader = (MicroBatchLoader(valid_ds, plan.micro_batch_size,
-                                              plan.num_micro_batches)
+                                              plan.num_micro_batches, **reading)
                              if valid_ds is not None and config.training.eval_interval
                              else None)
         training = config.training
@@ -153,7 +159,7 @@ class Trainer:
                 config.model, cfg, pre, post, pgs),
             optimizer_config=optimizer_config,
             sched=runtime.SchedulerSettings(training.lr, training.min_lr,
-                                            training.lr_warmup_iters, training.lr_decay_iters,
+                                            *training.schedule_samples(),
                                             training.lr_decay_style, training.weight_decay),
             seed=training.seed, tied_embeddings=self.tied, seq_length=config.model.seq_length,
             get_batch=self.train_loader.get, forward_step=providers.forward_step,
@@ -163,7 +169,8 @@ class Trainer:
                         else None),
             timers=self.timers, executor=elastic.executor, compute_clock=compute_clock,
             eager=elastic.eager, measure_memory=elastic.enabled,
-            hooks=self._step_hooks(), emulation=self.emulation)
+            hooks=self._step_hooks(), emulation=self.emulation,
+            every_stage_reads=config.data.reset_attention_mask)
         # What a checkpoint must match to be loaded, and how long its collectives may wait.
         self.model_meta = {"num_layers": config.model.num_layers,
                            "hidden_size": config.model.hidden_size,
@@ -185,8 +192,15 @@ class Trainer:
         # collector's sight, so that the collections at a recovery (which close the old
         # groups' sockets) take milliseconds, not half a second.
         gc.freeze()
+        if training.manual_gc:      # --manual-gc: collections only where _collect runs them
+            gc.disable()
+        self.exits = ExitConditions(training, elastic.enabled)
+        self.stopped: ExitVerdict | None = None   # an exit condition ended training early
+        self.lost_at: list[float] = []   # when each loss not yet repaired by a joiner happened
         self.reporter = Reporter(log, training.train_iters, config.model.seq_length,
-                                 lead=self.rank == 0 and not joining)
+                                 lead=self.rank == 0 and not joining,
+                                 flops_per_sample=_flops_per_sample(shape, config.model)
+                                 if log.log_throughput else 0.0)
         if joining:
             self._join()
         else:
@@ -238,7 +252,7 @@ class Trainer:
             while self.pending:
                 self.pending[0]()
                 self.pending.pop(0)
-            if self.iteration >= self.config.training.train_iters:
+            if self.iteration >= self.config.training.train_iters or self.stopped is not None:
                 if self.finishing:
                     return
                 self.finishing = True
@@ -274,6 +288,8 @@ class Trainer:
         if not math.isfinite(res.loss):
             raise JobError(f"loss is {res.loss} at iteration {it}")
         log = self.config.logging
+        if log.log_timers_to_tensorboard and it % log.log_interval == 0:
+            self.reporter.tb.timers(self.timers, list(_OP_TIMERS), it, log.log_interval)
         self.reporter.iteration(
             it, res, ms, self.consumed, self.plan, self.strategy,
             self.built.runtime.optimizer.param_groups[0]["lr"],
@@ -288,6 +304,12 @@ class Trainer:
             due.append(self._evaluate)
         if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
             due.append(self._save)
+        training = self.config.training
+        if training.manual_gc and training.manual_gc_interval and \
+                it % training.manual_gc_interval == 0:
+            due.append(gc.collect)
+        if training.exit_interval or self.exits.voting:
+            due.append(self._check_exit)
         if self.switch is not None and it == self.switch.at_iteration:
             due.append(self._switch)
         if self.elastic.admission_due(it):
@@ -297,7 +319,7 @@ class Trainer:
     def _final_actions(self) -> list[Callable[[], None]]:
         ckpt = self.config.checkpoint
         due: list[Callable[[], None]] = [self._shutting_down]
-        last = self.config.training.train_iters
+        last = self.iteration
         if ckpt.save and last > self.start and \
                 not (ckpt.save_interval and last % ckpt.save_interval == 0):
             due.append(self._save)
@@ -335,6 +357,7 @@ class Trainer:
                                                 self.valid_loader.get,
                                                 range(eval_iters))
         self.reporter.validation(self.iteration, loss)
+        self._collect()
         self.watch.lap_ms()
 
     def _save(self) -> None:
@@ -345,14 +368,40 @@ class Trainer:
                 root, it, self.built.runtime, tied_embeddings=self.tied,
                 timeout=self.save_timeout_s,
                 meta={**self.model_meta, "consumed_samples": self.consumed,
-                      "plan": self.plan.to_dict()},
+                      "plan": self.plan.to_dict(),
+                      "model_args": self.config.model.shape_args()},
                 written=lambda: self.injector.maybe_fire(it, "checkpoint"))
         self.reporter.saved(it, path)
+        self._collect()
         if self.calibration is not None and self.rank == 0:
             profile = self.calibration.profile(self.plan, self.elastic.alive)
             if profile is not None:
                 profile.save(os.path.join(root, "profile.json"))
         self.watch.lap_ms()
+
+    def _collect(self) -> None:
+        """--manual-gc: the garbage of evaluations and saves, collected after them."""
+        if self.config.training.manual_gc:
+            gc.collect()
+
+    def _check_exit(self) -> None:
+        """--exit-interval, --exit-duration-in-mins, --exit-signal-handler: stop the job (its
+        final save follows), or this rank's planned leave (the others recover without it)."""
+        with self._boundary("between-iterations"):
+            verdict = self.exits.check(self.iteration)
+        if verdict is None:
+            return
+        if not verdict.leavers:
+            self.reporter.line(f"exiting after iteration {self.iteration}: {verdict.reason}")
+            self.stopped = verdict
+            return
+        world = dist.get_rank()
+        if world in verdict.leavers:
+            raise NotNeeded(f"{verdict.reason}: a planned leave")
+        gone = [self.elastic.alive[r] for r in verdict.leavers]
+        raise StepFailure(self.elastic.notice(
+            RuntimeError(f"launch rank(s) {gone} left on {verdict.reason}"), self.iteration + 1,
+            "between-iterations"))
 
     def _switch(self) -> None:
         it, switch = self.iteration, self.switch
@@ -367,11 +416,15 @@ class Trainer:
         self._lost_during(t, "admission")
         if t.decision.joined:
             self.reporter.rejoined(t, self.iteration)
+            # The planner's repair time, measured: each joiner repairs the oldest loss.
+            for _ in t.decision.joined[:len(self.lost_at)]:
+                self.clock.rejoined(time.time() - self.lost_at.pop(0))
 
     def _lost_during(self, t, during: str) -> bool:
         """Ranks lost during a planned transition make it a recovery: reported as one."""
         if not t.failed:
             return False
+        self.lost_at += [t.first_notice] * len(t.failed)
         self.reporter.recovery(t, Failure(self.iteration + 1, t.first_notice,
                                           f"lost during the {during}", during),
                                self.iteration, self.built.schedule)
@@ -428,6 +481,7 @@ class Trainer:
     def _recover(self, failure: Failure) -> None:
         before = self.iteration
         t = self._transition(failure)
+        self.lost_at += [t.first_notice] * len(t.failed)
         resume = self.iteration
         if resume < before:   # a restart went back to its checkpoint: so do the actions
             self.pending, self.finishing = [], False
@@ -514,8 +568,10 @@ class Trainer:
         return built
 
     def _load(self, rt) -> dict | None:
-        """The latest checkpoint of --save (else --load) into `rt` (collective)."""
-        root = self.config.checkpoint.save or self.config.checkpoint.load
+        """The latest checkpoint of --save (else --load, unless it is --finetune's start) into
+        `rt` (collective)."""
+        ckpt = self.config.checkpoint
+        root = ckpt.save or (None if ckpt.finetune else ckpt.load)
         if not root:
             return None
         with self._emulated_io(rt):
@@ -523,15 +579,21 @@ class Trainer:
                                       expect=self.model_meta, timeout=self.save_timeout_s)
 
     def _load_initial(self) -> None:
-        root = self.config.checkpoint.load
+        ckpt = self.config.checkpoint
+        root = ckpt.load
         try:
             with self._emulated_io(self.built.runtime):
                 meta = checkpointing.load(root, self.built.runtime, tied_embeddings=self.tied,
-                                          expect=self.model_meta)
+                                          expect=self.model_meta, optimizer=ckpt.load_optim,
+                                          scheduler=not ckpt.finetune)
         except checkpointing.CheckpointError as e:
             raise JobError(str(e), exit_code=2) from None
         if meta is None:
             self.reporter.line(f"no checkpoint found under {root}: training from scratch")
+            return
+        if ckpt.finetune:
+            self.reporter.line(f"loaded the parameters of {root} (iteration "
+                               f"{meta['iteration']}) to fine-tune from iteration 0")
             return
         self.start = self.iteration = meta["iteration"]
         self.consumed = meta.get("consumed_samples", self.iteration * self.plan.global_batch_size)
@@ -552,6 +614,15 @@ class Trainer:
         self.reporter.close()
         self.elastic.leave()
         return {}
+
+
+def _flops_per_sample(shape: ModelShape, model: ModelConfig) -> float:
+    """The model's training FLOPs for one sample, as Megatron-LM's --log-throughput counts
+    them: the forward three times (forward, and a backward of twice its cost), four with full
+    recompute (the forward again)."""
+    passes = 4 if model.recompute_granularity == "full" else 3
+    forward = shape.num_layers * shape.layer_flops() + shape.head_flops()
+    return passes * forward / shape.micro_batch_size
 
 
 def _initialize_distributed(parallel: ParallelConfig,

@@ -56,11 +56,28 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def transformer_config(model: ModelConfig, tensor_parallel: int):
+    """megatron-core's TransformerConfig for the model flags, as Megatron-LM builds it."""
+    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
     dtype = torch.bfloat16 if model.bf16 else torch.float16 if model.fp16 else torch.float32
     return TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
+        num_query_groups=model.num_query_groups, kv_channels=model.kv_channels,
+        gated_linear_unit=model.swiglu, activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear, qk_layernorm=model.qk_layernorm,
+        layernorm_epsilon=model.norm_epsilon,
+        attention_backend=AttnBackend[model.attention_backend],
+        apply_query_key_layer_scaling=model.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=model.attention_softmax_in_fp32,
+        num_moe_experts=model.num_experts, moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_topk=model.moe_router_topk,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method, recompute_num_layers=model.recompute_num_layers,
         tensor_model_parallel_size=tensor_parallel,
         hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std, normalization=model.normalization,
@@ -136,8 +153,11 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                                     merge_file=data.merge_file,
                                     tokenizer_model=data.tokenizer_model,
                                     vocab_size=data.vocab_size)
+        model_config = transformer_config(config.model, config.parallel.tensor_parallel)
     except (ConfigError, PlanError, TokenizerError) as e:
         _fail(str(e))
+    except (ValueError, AssertionError) as e:   # megatron-core's own checks of the model flags
+        _fail(f"megatron-core refuses the model flags: {_first_line(e)}")
     except MembershipError as e:    # the launcher's store is unreachable
         _fail(str(e), code=1)
     if config.elastic.enabled and not ElasticManager.available():
@@ -152,11 +172,16 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         trainer = Trainer(config, plan, tokenizer, injector,
                           Providers(train_valid_test_datasets_provider, model_provider,
                                     forward_step, loss_func),
-                          transformer_config(config.model, config.parallel.tensor_parallel),
+                          model_config,
                           optimizer_config(config.training, config.model), placement_line)
         return trainer.train()
     except JobError as e:
         _fail(str(e), e.exit_code)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _pad_vocab(vocab_size: int, model: ModelConfig) -> int:

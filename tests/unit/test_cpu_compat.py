@@ -19,6 +19,11 @@ HARD_CODED = {
     "megatron.core.utils": 'l2_cuda = torch.tensor([float(l2_reduced)], dtype=torch.float, device="cuda")',
     "megatron.core.tensor_parallel.random": "torch.cuda.manual_seed(seed)",
     "megatron.core.transformer.utils": 'torch.ones(sq, sq, device="cuda")',
+    "megatron.core.models.common.embeddings.rotary_pos_embedding":
+        "self.inv_freq.to(device=torch.cuda.current_device())",
+    "megatron.core.transformer.moe.router":
+        "self.weight.data.to(device=torch.cuda.current_device())",
+    "megatron.core.transformer.moe.moe_utils": 'torch.zeros(num_layers, device="cuda")',
 }
 
 

@@ -284,3 +284,112 @@ def test_predict_plan_of_misaligned_plans_equals_the_whole_plans_prediction(tp, 
         fast = predict_plan(plan, prof)
         assert fast.iteration_ms == pytest.approx(whole.iteration_ms, rel=1e-12)
         assert fast.memory_bytes == whole.memory_bytes
+
+
+# ---- Megatron-LM's model flags: Llama-style shapes, MoE, activation recompute -----------------
+NEW_FIELDS = ("num_query_groups", "kv_channels", "gated_linear_unit", "add_bias_linear",
+              "tied_embeddings", "learned_positions", "max_position_embeddings", "normalization",
+              "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "recompute")
+LLAMA3_8B = ModelShape(32, 4096, 32, 8192, 1, 128256, ffn_hidden_size=14336, bytes_per_element=2,
+                       num_query_groups=8, gated_linear_unit=True, add_bias_linear=False,
+                       tied_embeddings=False, learned_positions=False, normalization="RMSNorm")
+
+
+def test_a_profile_written_before_the_model_flags_loads_with_its_meaning(tmp_path):
+    old = analytical_profile(SHAPE, "A100").to_dict()
+    for name in NEW_FIELDS:
+        del old["shape"][name]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    prof = Profile.load(tmp_path / "old.json")
+    assert prof.shape == SHAPE and prof == analytical_profile(SHAPE, "A100")
+
+
+@pytest.mark.parametrize("shape", [SHAPE, ModelShape(24, 2048, 16, 2048, 1, 50304,
+                                                     ffn_hidden_size=5000, bytes_per_element=2)])
+def test_gpt_shapes_cost_what_they_did(shape):
+    """GPT-2's shapes: the formulas from before the model flags (Korthikanti et al.)."""
+    s, b, h, a, f = (shape.seq_length, shape.micro_batch_size, shape.hidden_size,
+                     shape.num_attention_heads, shape.ffn)
+    assert shape.layer_params() == 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    assert shape.embedding_params() == (shape.vocab_size + s) * h
+    assert shape.layer_flops() == 2.0 * s * b * (4 * h * h + 2 * h * f) + 4.0 * b * s * s * h
+    if f == 4 * h:
+        assert shape.layer_activation_bytes() == int(
+            s * b * h * (34 + 5 * a * s / h) * shape.bytes_per_element / 2)
+    assert shape.layer_recompute_flops() == 0.0
+
+
+def test_a_default_given_explicitly_is_the_same_shape():
+    """The job passes its derived sizes, a profile may leave them out: the same model."""
+    explicit = ModelShape(4, 64, 4, 32, 2, 512, ffn_hidden_size=256, num_query_groups=4,
+                          kv_channels=16, max_position_embeddings=32, moe_router_topk=2,
+                          moe_ffn_hidden_size=96)
+    assert explicit == SHAPE
+    moe = ModelShape(4, 64, 4, 32, 2, 512, num_experts=4, moe_router_topk=2,
+                     moe_ffn_hidden_size=256)
+    assert moe.moe_ffn_hidden_size == 0 and moe.moe_ffn == 256
+
+
+def test_llama_parameter_counts():
+    """Llama 3 8B: Meta's published 8,030,261,248 parameters; no position embeddings, and the
+    untied output layer is on the last stage even when it is also the first."""
+    h, v = 4096, 128256
+    assert perf_model.stage_param_count(LLAMA3_8B, 32, True, True, 1) == 8_030_261_248
+    assert LLAMA3_8B.layer_params() == h * (h + 2 * 8 * 128) + h * h + 3 * h * 14336 + 2 * h
+    assert LLAMA3_8B.embedding_params() == v * h
+    assert LLAMA3_8B.head_params(first=True) == LLAMA3_8B.head_params(first=False) == h + v * h
+    assert SHAPE.head_params(first=True) == 128
+    assert SHAPE.head_params(first=False) == 128 + 512 * 64
+
+
+def test_layer_flops_of_gqa_swiglu_and_moe():
+    s, b, h, q = 32, 2, 64, 4 * 8
+    gqa = ModelShape(1, h, 4, s, b, 512, ffn_hidden_size=96, kv_channels=8, num_query_groups=2,
+                     gated_linear_unit=True)
+    # QKV h x (q + 2 g kv), the projection q x h, three FFN matrices; scores over q
+    assert gqa.layer_flops() == 2.0 * s * b * (h * (q + 2 * 2 * 8) + q * h + 3 * h * 96) \
+        + 4.0 * b * s * s * q
+    moe = ModelShape(1, h, 4, s, b, 512, num_experts=8, moe_router_topk=2,
+                     moe_ffn_hidden_size=48)
+    # the router (h x experts), then each token through its top 2 experts' two matrices
+    assert moe.layer_flops() == 2.0 * s * b * (4 * h * h + h * 8 + 2 * 2 * h * 48) \
+        + 4.0 * b * s * s * h
+    assert moe.layer_params() == 4 * h * h + 4 * h + 8 * (h + 1 + 2 * h * 48 + 48 + h) + 4 * h
+
+
+def test_recompute_trades_activations_for_a_second_forward():
+    s, b, h, a = SHAPE.seq_length, SHAPE.micro_batch_size, SHAPE.hidden_size, \
+        SHAPE.num_attention_heads
+    full = dataclasses.replace(SHAPE, recompute="full")
+    selective = dataclasses.replace(SHAPE, recompute="selective")
+    # full keeps the layer's input; selective drops the 5as/h attention-score terms
+    assert full.layer_activation_bytes() == s * b * h * 4
+    assert selective.layer_activation_bytes() == 34 * s * b * h * 4 // 2
+    assert SHAPE.layer_activation_bytes() - selective.layer_activation_bytes() == \
+        5 * a * s * s * b * 4 // 2
+    # the backward's input half runs the forward (or its core attention) again
+    plain, again = analytical_profile(SHAPE), analytical_profile(full)
+    assert again.layer_fwd_ms == plain.layer_fwd_ms
+    assert again.layer_bwd_input_ms == pytest.approx(2 * plain.layer_bwd_input_ms)
+    assert again.layer_bwd_weight_ms == plain.layer_bwd_weight_ms
+    assert analytical_profile(selective).layer_bwd_input_ms == pytest.approx(
+        plain.layer_fwd_ms * (1 + 4.0 * b * s * s * h / SHAPE.layer_flops()))
+
+
+def test_fit_of_forward_and_backward_costs_counts_the_recomputed_forward():
+    """Forward + backward: a layer 3 forwards and 1 recomputed, the head 3 forwards."""
+    full = dataclasses.replace(SHAPE, recompute="full")
+    ratio = 3 * full.head_flops() / (4 * full.layer_flops())
+    stages = [(2, True, False, 2 * 4.0), (2, False, True, (2 + ratio) * 4.0)]
+    layer, head = fit_layer_costs(stages, full, with_backward=True)
+    assert layer == pytest.approx(4.0) and head == pytest.approx(4.0 * ratio)
+    assert fit_layer_costs(stages, SHAPE, with_backward=True) == fit_layer_costs(stages, SHAPE)
+
+
+@pytest.mark.parametrize("field, value", [("normalization", "BatchNorm"), ("recompute", "half")])
+def test_unknown_model_kinds_are_refused(tmp_path, field, value):
+    d = analytical_profile(SHAPE).to_dict()
+    d["shape"][field] = value
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=field):
+        Profile.load(tmp_path / "p.json")

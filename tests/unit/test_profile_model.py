@@ -1,5 +1,6 @@
 """tools/profile_model.py: analytical and measured (offline) profiles, and one-line errors."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -7,13 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from chameleon_ext.planning.perf_model import DEVICES, ModelShape, Profile, analytical_profile
+from chameleon_ext.planning.perf_model import (DEVICES, ModelShape, Profile, analytical_profile,
+                                               stage_param_count)
+from megatron.training.config import ModelConfig
 from tools import profile_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "profile_model.py"
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--vocab-size", "128"]
+LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
+         "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type",
+         "rope", "--untie-embeddings-and-output-weights"]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -107,6 +113,16 @@ def test_link_device_names():
     (["--hidden-size", "66"], "not divisible by --num-attention-heads 4"),
     (["--cores", "-1"], "--cores must be >= 0"),
     (["--mode", "simulate"], "invalid choice"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--num-experts", "4", "--moe-router-topk", "5", "--disable-bias-linear"],
+     "--moe-router-topk 5 must be in 1..--num-experts 4"),
+    (["--moe-ffn-hidden-size", "32"], "--moe-ffn-hidden-size needs --num-experts"),
+    (["--num-experts", "4"], "--num-experts needs --disable-bias-linear"),
+    (["--kv-channels", "0"], "--kv-channels must be positive"),
+    (["--hidden-size", "16", "--swiglu"], "--swiglu's default --ffn-hidden-size is 0"),
+    (["--normalization", "BatchNorm"], "invalid choice"),
+    (["--recompute-granularity", "some"], "invalid choice"),
     (["--hidden-size", "big"], "invalid int value"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, extra, fragment):
@@ -138,3 +154,101 @@ def test_missing_required_flag_is_one_line():
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "the following arguments are required" in lines[0]
+
+
+def test_analytical_takes_the_model_flags(tmp_path):
+    out = tmp_path / "llama.json"
+    assert profile_model.main(["--mode", "analytical", "--device-name", "H100", *TINY, *LLAMA,
+                               "--qk-layernorm", "--kv-channels", "8",
+                               "--recompute-granularity", "selective",
+                               "--output", str(out)]) == 0
+    shape = Profile.load(out).shape
+    # --swiglu's default FFN is Megatron-LM's: 2/3 of 4 x 64, down to a multiple of 64
+    assert shape == ModelShape(2, 64, 4, 32, 2, 128, ffn_hidden_size=128, num_query_groups=2,
+                               kv_channels=8, gated_linear_unit=True, add_bias_linear=False,
+                               tied_embeddings=False, learned_positions=False,
+                               normalization="RMSNorm", qk_layernorm=True,
+                               recompute="selective")
+    assert Profile.load(out).layer_fwd_ms == pytest.approx(
+        analytical_profile(shape, "H100").layer_fwd_ms)
+
+
+def test_measure_a_llama_shape_with_full_recompute(tmp_path):
+    """RoPE's frequencies reach the timed layers, each checkpointed as the decoder would."""
+    out = tmp_path / "llama.json"
+    r = run(*TINY, *LLAMA, "--recompute-granularity", "full", "--iters", "1",
+            "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    prof = Profile.load(out)
+    assert (prof.shape.gated_linear_unit, prof.shape.recompute) == (True, "full")
+    assert prof.layer_fwd_ms > 0 and prof.layer_bwd_input_ms > 0
+    assert "SwiGLU, 2 query groups, no biases, RoPE, RMSNorm, untied output layer, full " \
+        "recompute" in r.stdout
+
+
+# The same model as tool flags and as pretrain_gpt.py's ModelConfig (fields beyond the sizes)
+COUNTED = {
+    "gpt": ([], {}),
+    "llama": (LLAMA, dict(swiglu=True, num_query_groups=2, add_bias_linear=False,
+                          normalization="RMSNorm", position_embedding_type="rope",
+                          tied_embeddings=False)),
+    "qk-layernorm": (["--qk-layernorm", "--kv-channels", "8"],
+                     dict(qk_layernorm=True, kv_channels=8)),
+    "moe": (["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96"],
+            dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)),
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    """A one-process world with megatron-core's parallel state, as the tool sets it up."""
+    import torch
+    owned = profile_model._setup_megatron(torch, cuda=False)
+    yield torch
+    profile_model._teardown_megatron(owned)
+
+
+def _counts(model) -> dict[str, int]:
+    """Parameters of the first layer, the embedding, and the final norm with the output layer."""
+    out = {"layer": 0, "embedding": 0, "head": 0, "total": 0}
+    for name, p in model.named_parameters():
+        part = "layer" if name.startswith("decoder.layers.0.") else \
+            "embedding" if name.startswith("embedding.") else \
+            "head" if name.startswith(("decoder.final_layernorm.", "output_layer.")) else None
+        if part:
+            out[part] += p.numel()
+        out["total"] += p.numel()
+    return out
+
+
+def _shape_counts(shape: ModelShape, layers: int) -> dict[str, int]:
+    return {"layer": shape.layer_params(), "embedding": shape.embedding_params(),
+            "head": shape.head_params(first=True),
+            "total": stage_param_count(shape, layers, True, True, 1)}
+
+
+@pytest.mark.parametrize("name", COUNTED)
+def test_parameter_counts_are_megatron_cores(megatron_world, name, tmp_path):
+    """ModelShape's counts equal the GPTModel the tool times and the one pretrain_gpt.py
+    trains, layer by layer (megatron-core 0.16.1, local spec, CPU)."""
+    import pretrain_gpt
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.planning import model_shape
+    from megatron.training.training import transformer_config
+    torch = megatron_world
+    flags, fields = COUNTED[name]
+    args = profile_model.parse(["--mode", "analytical", "--device-name", "H100", *TINY, *flags,
+                                "--output", str(tmp_path / "p.json")])
+    shape = profile_model.model_shape(args)
+    timed = profile_model._build_model(torch, args, 2, False, torch.float32)
+    assert _counts(timed) == _shape_counts(shape, 2)
+
+    job = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                      ffn_hidden_size=128 if fields.get("swiglu") else 256, seq_length=32,
+                      max_position_embeddings=48, make_vocab_size_divisible_by=128,
+                      padded_vocab_size=128, **fields)
+    trained = pretrain_gpt.model_provider(job, transformer_config(job, 1), True, True,
+                                          ProcessGroupCollection.use_mpu_process_groups())
+    job_shape = model_shape(job, 2)
+    assert _counts(trained) == _shape_counts(job_shape, 2)
+    assert job_shape == dataclasses.replace(shape, max_position_embeddings=48)

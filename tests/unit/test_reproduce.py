@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import MIB, stage_params, switch_ms
+from chameleon_ext.planning.planner import STATE_BYTES_PER_PARAM
 from tests.launch import REPO, read_csv
-from tools.reproduce import cluster, simulate, traces
+from tools.reproduce import cluster, executed, simulate, traces
 from tools.reproduce.__main__ import main
 from tools.reproduce.tables import AUTO_TOLERANCE, PAPER_RATIOS, TRACE_MODEL
 
@@ -114,6 +117,31 @@ def test_a_trace_fails_only_gpus_that_are_up_and_brings_each_back_after_its_repa
             assert math.isclose(e.hour - down.pop(e.gpu), 1.0)
     assert t.failures < 6 * 12  # with all 4 GPUs down, a failure has nothing to hit
     assert traces.poisson(1.0, 32, 24.0, 1.0) == traces.poisson(1.0, 32, 24.0, 1.0)
+
+
+def test_a_poisson_trace_is_the_same_for_an_integer_or_a_float_mean():
+    """table 2 passes its Poisson mean as an int, tools/bench/traces.py's --poisson as a
+    float: both draw the same trace."""
+    assert traces.poisson(12, 32, 24.0, 1.0) == traces.poisson(12.0, 32, 24.0, 1.0)
+    plan = ExecutionPlan.failure_free(8, 1, 2, 8, 1, 32)
+    assert executed.poisson(48, 12, plan, 12) == executed.poisson(48, 12.0, plan, 12)
+    assert executed.poisson(48, 12, plan, 12) != executed.poisson(48, 12.5, plan, 12)
+
+
+def test_a_planned_move_charges_only_the_state_a_gpu_lacks():
+    """Onto the same plan on the same GPUs nothing moves (the output layer stays on the last
+    stage's GPUs); a new GPU on the last stage receives its whole stage, the output layer
+    once."""
+    s = cluster.setup(TRACE_MODEL)
+    job = simulate._Job(s, simulate.POLICIES[0], traces.Trace("none", 1.0, 1.0, 1.0, ()),
+                        simulate.Costs(30, 5))
+    gpus = list(range(s.plan.world_size))
+    assert job._move_ms(s.plan, gpus) == switch_ms(s.profile)
+    last = s.plan.pipelines[0].stages[-1].ranks[0]
+    gpus[last] = s.plan.world_size          # a GPU the running plan does not use
+    assert job._move_ms(s.plan, gpus) == pytest.approx(
+        switch_ms(s.profile) + s.profile.p2p_ms_per_mib * STATE_BYTES_PER_PARAM *
+        stage_params(s.plan, last, s.profile.shape) / MIB)
 
 
 def test_a_bad_table_name_is_one_line_and_exit_2():

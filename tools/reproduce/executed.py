@@ -162,7 +162,7 @@ def fixed_interval(iterations: int, every: int, plan: ExecutionPlan, repair: int
 def poisson(iterations: int, mean: float, plan: ExecutionPlan, repair: int | None,
             seed: int = 0) -> ExecutedTrace:
     """Gaps between kills drawn from an exponential law of mean `mean` iterations."""
-    rng = random.Random(f"poisson-{mean}-{seed}")
+    rng = traces.poisson_rng(mean, seed)
     at, t = [], FIRST_KILL - 1 + rng.expovariate(1 / mean)
     while t <= iterations - LAST_MARGIN:
         if not at or math.ceil(t) > at[-1]:
@@ -354,7 +354,7 @@ def predicted_samples_per_s(trace: ExecutedTrace, c: Config, policy: simulate.Po
                                        k.rank))
     span = trace.iterations * hours
     t = traces.Trace(trace.name, span, trace.interval * hours,
-                     (trace.repair or 0) * hours,
+                     math.inf if trace.repair is None else trace.repair * hours,
                      tuple(sorted((e for e in events if e.hour < span), key=lambda e: e.hour)))
     setup = Setup("executed", 1, device, c.plan, c.plan, ms)
     relaunch_s = max(c.relaunch_wall_s, ff.startup_s)

@@ -8,8 +8,8 @@ interrupted iteration or, for a restart, since the checkpoint); an event during 
 starts the next one from that moment.
 
 - A failure of a GPU the plan uses: the planner ranks the policy's strategies on the current
-  plan (planner.candidates) and takes the cheapest; where none of them has a feasible plan the
-  job falls back to restart, as the real job does; where not even that fits, it stalls until
+  plan (planner.candidates) and takes the cheapest; where none of them has a feasible plan, or
+  no survivor holds some layer any more, the job falls back to restart, as the real job does; where not even that fits, it stalls until
   GPUs come back. With tensor parallelism the failed GPU's whole group leaves the plan (its
   healthy GPUs idle until a rejoin re-plans). A failure of a GPU the plan leaves idle changes
   nothing.
@@ -17,8 +17,8 @@ starts the next one from that moment.
   written, unless another change of plan comes first.
 - A rejoin: with every GPU back, the failure-free plan; otherwise the policy's best plan over
   the GPUs up (planned from the failure-free plan with the rest lost, as strategies.rejoin
-  hands them to the planner), taken when it does more iterations than the current plan before
-  the next failure expected, its move paid first. A planned move loses no work: the rebuild
+  hands them to the planner), taken when it costs less than the current plan over the window
+  until the next failure, its move paid first (planner.rejoin_choice's "now" against "stay"). A planned move loses no work: the rebuild
   plus the state the GPUs lack, sent by their peers (or, for a relaunch, read from a
   checkpoint).
 """
@@ -31,12 +31,13 @@ from typing import Callable
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.planning.perf_model import MIB, Profile, stage_params, switch_ms
-from chameleon_ext.planning.planner import STRATEGIES, Candidate, Situation, Switch, candidates, choose
+from chameleon_ext.planning.planner import (STRATEGIES, Candidate, Situation, Switch, candidates,
+                                            choose, moved_state_bytes, rejoin_window,
+                                            running_ms)
+from chameleon_ext.planning.strategies.base import state_survives
 from chameleon_ext.planning.strategies.redundancy import eager_cost
 from tools.reproduce.cluster import Setup
 from tools.reproduce.traces import Trace
-
-STATE_BYTES_PER_PARAM = 12             # parameter and two Adam moments (strategies.base.moved_bytes)
 
 
 @dataclass(frozen=True)
@@ -134,20 +135,17 @@ class _Job:
             self._adopt(sw.plan, self._gpus_of(self.plan, set(), sw.plan), sw.iteration_ms,
                         sw.transition_ms)
 
-    def window_ms(self) -> float:
-        """Until the next failure expected, or the span's end."""
-        return min(self.trace.mtbf_h * 3.6e6, self.trace.span_h * 3.6e6 - self.t)
-
     def situation(self) -> Situation:
-        """As the job tells the planner at a failure: the trace's MTBF, the iterations left in
-        the span, the current pace."""
+        """As the job tells the planner at a failure: the trace's MTBF and repair time, the
+        iterations left in the span, the current pace."""
         done = int(self.out.iterations)
         ms = self.iteration_ms if self.plan is not None else self.ff_ms
         left = (self.trace.span_h * 3.6e6 - self.t) / ms
         return Situation(iteration=done + 1, checkpoint_iteration=done // self.save_every *
                          self.save_every, remaining_iterations=max(1, int(left)),
                          mtbf_hours=self.trace.mtbf_h, failure_free_ms=ms,
-                         save_interval=self.save_every, eager_redundancy=self.policy.eager)
+                         save_interval=self.save_every, eager_redundancy=self.policy.eager,
+                         repair_hours=self.trace.repair_h)
 
     # ---- events -------------------------------------------------------------------------------
     def fail(self, gpu: int) -> None:
@@ -159,8 +157,12 @@ class _Job:
             self.plan, self.gpus, self.switch = None, [], None
             return
         situation = self.situation()
-        best, fell_back = self._choose(self.plan, lost, self.policy.strategies, situation)
-        self.out.fallbacks += fell_back
+        # No survivor holds some layer (a stage's last replica lost): only the checkpoint has
+        # it, as decider.Decider rules; no strategy can carry the state over.
+        forced = not state_survives(self.plan, lost, self.policy.eager)
+        best, fell_back = self._choose(self.plan, lost, ("restart",) if forced
+                                       else self.policy.strategies, situation)
+        self.out.fallbacks += fell_back or (forced and "restart" not in self.policy.strategies)
         if best is None:
             self.plan, self.gpus, self.switch = None, [g for g in self.gpus if g != gpu], None
             return
@@ -179,26 +181,28 @@ class _Job:
             self.out.replans += 1
             self._adopt(self.setup.plan, gpus, self.ff_ms, self._move_ms(self.setup.plan, gpus))
             return
-        # A planned move loses no work: the candidates are weighed by the iterations each
-        # would do before the next event expected, its own move cost paid first, not by
-        # their transitions after a failure.
+        # A planned move loses no work: the candidates are weighed as planner.rejoin_choice
+        # weighs a move now against staying, over the window until the next failure: the
+        # move, the iterations at its pace, and the next failure's expected cost from its
+        # plan (a plan whose every loss is fatal pays for the restart it would force).
         situation = self.situation()
-        window = self.window_ms()
+        win = rejoin_window(situation, situation.failure_free_ms)
         steady = tuple(s for s in self.policy.strategies if s != "reroute+restart")
         ff = self.setup.plan  # its rank r is GPU r
         moves = []
         for c in candidates(ff, down, self.profile, situation, steady):
             if c.feasible:
                 used = ff.survivors(down, c.plan.world_size)
-                moves.append((self._move_ms(c.plan, used), c, used))
+                moves.append((self._move_ms(c.plan, used) + running_ms(
+                    c.plan, c.iteration_ms, self.profile, situation, win), c, used))
         if not moves:
             return
-        cost, best, used = max(moves, key=lambda m: (window - m[0]) / m[1].iteration_ms)
-        if self.plan is not None and \
-                (window - cost) / best.iteration_ms <= window / self.iteration_ms:
+        cost, best, used = min(moves, key=lambda m: m[0])
+        if self.plan is not None and cost >= running_ms(self.plan, self.iteration_ms,
+                                                        self.profile, situation, win):
             return
         self.out.replans += 1
-        self._adopt(best.plan, used, best.iteration_ms, cost)
+        self._adopt(best.plan, used, best.iteration_ms, self._move_ms(best.plan, used))
 
     # ---- helpers ------------------------------------------------------------------------------
     def _choose(self, plan: ExecutionPlan, lost: set[int], strategies: tuple[str, ...],
@@ -231,18 +235,8 @@ class _Job:
             largest = max(stage_params(new, r, shape) for r in new.ranks)
             return self.relaunch_ms + switch_ms(self.profile, loaded_bytes=largest *
                                                 self.profile.bytes_per_param)
-        old = self.plan
-        rank_of = {g: r for r, g in enumerate(self.gpus)} if old is not None else {}
-        moved = 0
-        for r, g in enumerate(gpus):
-            now = new.stage_of(r)
-            params = stage_params(new, r, shape)
-            if g in rank_of:
-                was = old.stage_of(rank_of[g])
-                kept = max(0, min(was.layer_end, now.layer_end) -
-                           max(was.layer_start, now.layer_start))
-                params -= kept * shape.layer_params() // new.tensor_parallel
-                if old.is_first_stage(rank_of[g]) and new.is_first_stage(r):
-                    params -= shape.embedding_params() // new.tensor_parallel
-            moved += STATE_BYTES_PER_PARAM * max(0, params)
+        # Stalled (no plan), nobody holds anything: `was` is empty and `old` never read.
+        rank_of = {g: r for r, g in enumerate(self.gpus)} if self.plan is not None else {}
+        was = {r: rank_of[g] for r, g in enumerate(gpus) if g in rank_of}
+        moved = moved_state_bytes(self.plan or new, new, was, shape)
         return switch_ms(self.profile) + self.profile.p2p_ms_per_mib * moved / MIB

@@ -3,7 +3,7 @@
 Fixed intervals are Oobleck's published traces (a failure every 6 h, 3 h, 1 h, 30 min, 10 min,
 5 min); Poisson traces draw the gaps between failures from an exponential law with the given
 mean (the cluster's MTBF). Either way the failed GPU is drawn uniformly among those up, and it
-rejoins after the repair time. A trace is fixed before any policy sees it, so every policy
+rejoins after the repair time (math.inf: never). A trace is fixed before any policy sees it, so every policy
 meets the same failures.
 """
 
@@ -70,8 +70,14 @@ def fixed_interval(interval_h: float, gpus: int, span_h: float, repair_h: float,
                   random.Random(f"fixed-{interval_h}-{seed}"))
 
 
+def poisson_rng(mean: float, seed: int) -> random.Random:
+    """The random source of a Poisson trace of `mean` (here and tools.reproduce.executed): one
+    seed for 12 and 12.0 alike, whichever type a caller's flag parses to."""
+    return random.Random(f"poisson-{float(mean):g}-{seed}")
+
+
 def poisson(mtbf_h: float, gpus: int, span_h: float, repair_h: float, seed: int = 0) -> Trace:
-    rng = random.Random(f"poisson-{mtbf_h}-{seed}")
+    rng = poisson_rng(mtbf_h, seed)
     hours, t = [], rng.expovariate(1 / mtbf_h)
     while t < span_h:
         hours.append(t)

@@ -163,7 +163,7 @@ def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
             if first and not any(plan.is_first_stage(r) for r in held):
                 extra += shape.embedding_params()
             if last and not any(plan.is_last_stage(r) for r in held):
-                extra += shape.vocab_size * shape.hidden_size * (not first)
+                extra += shape.output_params(first)
             total += len(st.ranks) * (12 * extra // plan.tensor_parallel)
     return total
 

@@ -1,0 +1,50 @@
+"""Megatron-LM's model flags keep the layout out of the numbers: a Llama-style model (SwiGLU,
+grouped-query attention, RMSNorm, RoPE, QK layernorm, untied output, no biases; documents masked
+from each other) on TP 2 x PP 2, a mixture of experts on PP 2 x DP 2 (its load-balancing loss
+scaled like the main loss), and activation recompute, give one process's losses (1e-5)."""
+
+import pytest
+
+from tests.launch import SMALL_MODEL, assert_close, run_job
+
+pytestmark = pytest.mark.slow
+
+LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
+         "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type",
+         "rope", "--untie-embeddings-and-output-weights", "--qk-layernorm",
+         "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+       "--disable-bias-linear"]
+
+
+def common(data: str, *model: str) -> list[str]:
+    return SMALL_MODEL + list(model) + [
+        "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3", "--data-path", data,
+        "--split", "100,0,0"]
+
+
+@pytest.fixture(scope="module")
+def singles(small_data, tmp_path_factory):
+    """One process per model: the references."""
+    out = {}
+    for name, model in (("gpt", []), ("llama", LLAMA), ("moe", MOE)):
+        run = run_job(1, common(small_data, *model), tmp_path_factory.mktemp(name), name=name)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out[name] = run.losses()
+    assert out["llama"] != out["gpt"] != out["moe"]       # the flags change the model
+    return out
+
+
+@pytest.mark.parametrize("name, model, world, layout", [
+    ("llama", LLAMA, 4, ["--tensor-model-parallel-size", "2",
+                         "--pipeline-model-parallel-size", "2"]),
+    ("moe", MOE, 4, ["--pipeline-model-parallel-size", "2"]),
+    ("gpt", ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"], 2, ["--pipeline-model-parallel-size", "2"]),
+    ("gpt", ["--recompute-activations"], 2, ["--tensor-model-parallel-size", "2"]),
+], ids=["llama-tp2xpp2", "moe-pp2xdp2", "recompute-full-pp2", "recompute-selective-tp2"])
+def test_model_flags_match_one_process(singles, small_data, tmp_path, name, model, world,
+                                       layout):
+    run = run_job(world, common(small_data, *model) + layout, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(run.losses(), singles[name])

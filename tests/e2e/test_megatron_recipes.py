@@ -1,0 +1,143 @@
+"""A Megatron-LM user's own command runs: the flag sets of Megatron-LM's example scripts
+(examples/gpt3/train_gpt3_857m_distributed.sh and train_gpt3_175b_distributed.sh, their sizes
+shrunk to a tiny model, --fp16 dropped on CPU, the built-in byte-level data instead of GPT-2's
+vocabulary) train on gloo; a Llama-style recipe survives a kill with the failure-free losses;
+--exit-signal-handler turns a SIGTERM of the whole job into a loadable checkpoint, and of one
+worker under --chameleon into its planned leave."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch import (REPO, SMALL_MODEL, LateKill, assert_close, free_port, kill_group,
+                          run_chameleon, run_job, run_script)
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32"]
+
+
+def example_857m(data: str, tmp) -> list[str]:
+    """The 857M script's flags, in its order; TP 8 -> 2 for two processes."""
+    return [*TINY, "--attention-backend", "auto",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+            "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--init-method-std", "0.006", "--clip-grad", "1.0", "--lr", "6.0e-5",
+            "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+            "--lr-decay-iters", "430000",
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+            "--data-path", data, "--split", "949,50,1",
+            "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000",
+            "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"), "--eval-iters", "10",
+            "--tensorboard-dir", str(tmp / "tb"), "--no-progress-bar"]
+
+
+def test_megatron_lms_857m_example_flags_train(small_data, tmp_path):
+    run = run_job(2, example_857m(small_data, tmp_path), tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.iterations() == [1, 2, 3, 4]
+    assert "no checkpoint found under" in run.stdout          # --load of an empty directory
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_megatron_lms_175b_example_flags(small_data, tmp_path):
+    """Its --rampup-batch-size is refused in one line; without it the rest trains (TP 8 x
+    PP 16 -> TP 2 x PP 2)."""
+    flags = [f if f != "430000" else "100" for f in example_857m(small_data, tmp_path)]
+    flags[flags.index("--pipeline-model-parallel-size") + 1] = "2"
+    ramp = ["--rampup-batch-size", "4", "4", "16"]
+    r = run_script([*flags, *ramp], env={"WORLD_SIZE": "4"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--rampup-batch-size: batch-size ramp-up is not supported yet" in r.stderr
+    run = run_job(4, flags, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.iterations() == [1, 2, 3, 4]
+    assert "pipeline(s) x 2 stage(s), tensor parallel 2" in run.stdout
+
+
+LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
+         "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type",
+         "rope", "--untie-embeddings-and-output-weights", "--qk-layernorm",
+         "--init-method-std", "0.02", "--norm-epsilon", "1e-6", "--rotary-base", "500000"]
+
+
+def llama(data: str, iters: int = 8, pp: int = 2) -> list[str]:
+    return SMALL_MODEL + LLAMA + [
+        "--pipeline-model-parallel-size", str(pp), "--global-batch-size", "16", "--train-iters",
+        str(iters), "--lr", "3e-3", "--lr-warmup-fraction", "0.1", "--data-path", data,
+        "--split", "100,0,0"]
+
+
+@pytest.fixture(scope="module")
+def llama_reference(small_data, tmp_path_factory):
+    """One process: the layout does not change the losses."""
+    run = run_job(1, llama(small_data, pp=1), tmp_path_factory.mktemp("llama"), name="llama-1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.losses()
+
+
+def test_a_llama_style_recipe_survives_a_kill(llama_reference, small_data, tmp_path):
+    run = run_chameleon(4, llama(small_data) + [
+        "--chameleon", "--chameleon-inject", "kill:rank=3,iter=4,phase=backward"], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(run.losses(), llama_reference)
+    assert len([e for e in run.metrics if e["event"] == "recovery"]) == 1
+    replicas = [e for e in run.metrics if e["event"] == "replicas"]
+    assert replicas and replicas[0]["identical"], replicas
+
+
+def test_sigterm_to_the_agent_saves_a_loadable_checkpoint(llama_reference, small_data,
+                                                          tmp_path):
+    """The agent's SIGTERM goes to every worker: they agree to stop after the same iteration,
+    save it and exit 0; a second job loads it and goes on with the failure-free losses."""
+    ckpt = tmp_path / "ckpt"
+    metrics = tmp_path / "first.jsonl"
+    cmd = [sys.executable, "-m", "chameleon_ext.control.launcher", "--nproc-per-node", "4",
+           "--master-port", str(free_port()), str(REPO / "pretrain_gpt.py"),
+           *llama(small_data, 400), "--lr-decay-iters", "8", "--chameleon",
+           "--exit-signal-handler", "--save", str(ckpt),
+           "--chameleon-metrics-file", str(metrics)]
+    agent = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True,
+                             env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+                                  "PATH": "/usr/bin:/bin"})
+    try:
+        deadline = time.monotonic() + 120     # the job's start on 2 loaded cores
+        while time.monotonic() < deadline and (
+                not metrics.exists() or metrics.read_text().count('"iteration"') < 3):
+            time.sleep(0.2)
+        agent.send_signal(signal.SIGTERM)
+        out, err = agent.communicate(timeout=60)
+    finally:
+        kill_group(agent.pid)
+    stopped = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= stopped < 400, err[-3000:]
+    assert f"exiting after iteration {stopped}: SIGTERM" in out
+    assert err.count("exited 0") == 4, err[-3000:]
+    resumed = run_job(4, llama(small_data) + ["--load", str(ckpt)], tmp_path, name="second")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    if stopped < 8:
+        assert resumed.iterations() == list(range(stopped + 1, 9))
+        assert_close(resumed.losses(), llama_reference[stopped:])
+
+
+def test_sigterm_to_one_worker_is_its_planned_leave(llama_reference, small_data, tmp_path):
+    """Rank 2 is preempted after iteration 3: it leaves at the step boundary, exit 0, and the
+    others go on without it, losing no iteration."""
+    port = free_port()
+    term = LateKill(port, 2, 3, 0, term=True).start()
+    run = run_chameleon(4, llama(small_data) + ["--chameleon", "--exit-signal-handler"],
+                        tmp_path, launcher_args=["--master-port", str(port)])
+    term.join()
+    assert term.returncode == 0, term.stderr
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(run.losses(), llama_reference)
+    assert "launch rank(s) [2] left on SIGTERM" in run.stdout + run.stderr
+    assert "worker rank 2" in run.stderr and "exited 0" in run.stderr
+    recoveries = [e for e in run.metrics if e["event"] == "recovery"]
+    assert len(recoveries) == 1 and recoveries[0]["lost_iterations"] == 0, recoveries

@@ -1,0 +1,267 @@
+"""The planner's objective over the failure-repair cycle (planner's module docstring): the
+window until the repair or the next failure, the move back when the slot returns, the cost of
+the next failure; the cases where the horizon-only rule (repair_hours=None) chose wrong; the
+rejoin decision; and chameleon-plan's --repair-minutes."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.cli import main
+from chameleon_ext.planning.perf_model import MIB, ModelShape, predict_plan, stage_params, \
+    switch_ms
+from chameleon_ext.planning.planner import (STATE_BYTES_PER_PARAM, Situation, candidates, choose,
+                                            fatal_share, horizon_iterations, moved_state_bytes,
+                                            rejoin_choice, window)
+from chameleon_ext.planning.strategies import REGISTRY, Context
+from chameleon_ext.planning.strategies.rejoin import overlay
+from megatron.training.config import CheckpointConfig
+from megatron.training.planning import JobClock
+from tests.profiles import synthetic_profile
+
+# Layers of 12.6 M parameters (150 MiB of state to move) behind 128 KiB activations: moving a
+# layer's state costs seconds (100 ms/MiB), a pipeline message about 12 ms.
+SHAPE = ModelShape(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=32,
+                   micro_batch_size=1, vocab_size=512)
+PROFILE = synthetic_profile(
+    SHAPE, layer_fwd_ms=10.0, layer_bwd_input_ms=10.0, layer_bwd_weight_ms=10.0,
+    p2p_alpha_ms=0.01, p2p_ms_per_mib=100.0, allreduce_alpha_ms=0.01, detect_ms=50.0,
+    rebuild_ms=400.0, load_ms_per_mib=1.0)
+
+
+def pp2_dp4() -> ExecutionPlan:
+    return ExecutionPlan.failure_free(8, 1, 2, 8, 1, 32)
+
+
+def pp4_dp2() -> ExecutionPlan:
+    return ExecutionPlan.failure_free(8, 1, 4, 8, 1, 32)
+
+
+def ranked_both(plan, lost, situation, strategies=None):
+    """The candidates under the cycle's objective and under the horizon-only rule."""
+    kw = {} if strategies is None else {"strategies": strategies}
+    return (candidates(plan, lost, PROFILE, situation, **kw),
+            candidates(plan, lost, PROFILE, dataclasses.replace(situation, repair_hours=None),
+                       **kw))
+
+
+def totals(ranked) -> dict[str, float]:
+    return {c.strategy: round(c.total_ms, 1) for c in ranked}
+
+
+# ---- the window ---------------------------------------------------------------------------------
+def test_without_a_repair_time_the_window_is_the_horizon():
+    s = Situation(iteration=10, checkpoint_iteration=0, remaining_iterations=1000,
+                  mtbf_hours=1e-3, failure_free_ms=100.0)
+    assert window(s, 100.0) == dataclasses.replace(window(s, 100.0), repair_first=0.0,
+                                                   failure_first=0.0)
+    assert window(s, 100.0).iterations == horizon_iterations(s, 100.0) == 36.0
+
+
+def test_the_window_is_the_expected_time_to_the_repair_or_the_next_failure():
+    mtbf_ms, repair_ms, pace = 3.6e6, 1.8e6, 1000.0
+    s = Situation(iteration=10, checkpoint_iteration=0, remaining_iterations=10 ** 6,
+                  mtbf_hours=1.0, failure_free_ms=pace, repair_hours=0.5)
+    w = window(s, pace)
+    assert w.iterations == pytest.approx(mtbf_ms * (1 - math.exp(-repair_ms / mtbf_ms)) / pace)
+    assert w.repair_first == pytest.approx(math.exp(-0.5))
+    assert w.repair_first + w.failure_first == pytest.approx(1.0)
+    # the end of training first: no move back, the window ends there
+    end = window(dataclasses.replace(s, remaining_iterations=600), pace)
+    assert end.repair_first == 0.0
+    assert end.iterations == pytest.approx(mtbf_ms * (1 - math.exp(-6e5 / mtbf_ms)) / pace)
+    # never repaired, no failures expected: the rest of the job
+    never = window(dataclasses.replace(s, mtbf_hours=None, repair_hours=math.inf), pace)
+    assert (never.iterations, never.repair_first, never.failure_first) == (10 ** 6, 0.0, 0.0)
+
+
+def test_each_candidate_costs_its_transition_window_move_back_and_next_failure():
+    s = Situation(iteration=100, checkpoint_iteration=50, remaining_iterations=100_000,
+                  mtbf_hours=6.0, failure_free_ms=1000.0, repair_hours=0.5)
+    w = window(s, 1000.0)
+    for c in candidates(pp2_dp4(), {7}, PROFILE, s):
+        assert c.total_ms == pytest.approx(
+            c.transition_ms + w.iterations * c.iteration_ms + w.repair_first * c.move_back_ms
+            + w.failure_first * c.next_failure_ms)
+
+
+# ---- the terms ----------------------------------------------------------------------------------
+def test_rerouting_moves_back_the_returning_rank_s_stage_only():
+    plan = pp2_dp4()
+    reroute = next(c for c in candidates(pp2_dp4(), {7}, PROFILE, Situation(
+        iteration=10, checkpoint_iteration=0, remaining_iterations=100, repair_hours=1.0),
+        ("reroute",)))
+    assert reroute.move_back_ms == pytest.approx(
+        switch_ms(PROFILE) + PROFILE.p2p_ms_per_mib * STATE_BYTES_PER_PARAM *
+        stage_params(plan, 7, SHAPE) / MIB)
+
+
+def test_moving_a_plan_onto_itself_moves_nothing_and_a_newcomer_gets_its_whole_stage():
+    plan = pp2_dp4()
+    stay = {r: r for r in plan.ranks}
+    assert moved_state_bytes(plan, plan, stay, SHAPE) == 0
+    del stay[7]  # the last stage: its layers, the final norm and the output layer, once
+    assert moved_state_bytes(plan, plan, stay, SHAPE) == \
+        STATE_BYTES_PER_PARAM * stage_params(plan, 7, SHAPE)
+
+
+def test_a_stage_down_to_one_replica_makes_its_loss_fatal():
+    plan = pp2_dp4()
+    assert fatal_share(plan, False) == 0.0
+    once = REGISTRY["reroute"].propose(pp4_dp2(), {5}, Context(PROFILE)).plan
+    assert fatal_share(once, False) == 1 / 7   # stage 1 lives on rank 1 alone
+    # eager shadows keep a copy of it on its neighbour: no loss is fatal
+    assert fatal_share(pp4_dp2(), True) == 0.0
+    assert fatal_share(ExecutionPlan.failure_free(4, 1, 4, 8, 1, 8), False) == 1.0
+    assert fatal_share(ExecutionPlan.failure_free(4, 1, 4, 8, 1, 8), True) == 0.0
+
+
+# ---- where the horizon-only rule chose wrong ----------------------------------------------------
+def test_a_short_repair_makes_rerouting_win():
+    """Pipeline 2 x data 4 loses rank 7; the slot is back in 3 minutes, a failure comes every
+    6 hours. The horizon rule costs 18,303 iterations (6 h) and re-parallelizes: its 59 s
+    state move pays off over hours. The slot is back after 152 iterations: rerouting (no
+    state moved, 1.4 s an iteration against 1.3 s) is cheapest, and its move back (the
+    returning stage, 59 s) is the cheapest there is (restart's re-laid-out plan: 262 s)."""
+    plan = pp2_dp4()
+    s = Situation(iteration=100, checkpoint_iteration=50, remaining_iterations=100_000,
+                  mtbf_hours=6.0, failure_free_ms=predict_plan(plan, PROFILE).iteration_ms,
+                  repair_hours=0.05)
+    cycle, horizon = ranked_both(plan, {7}, s)
+    assert choose(cycle).strategy == "reroute"
+    assert choose(horizon).strategy == "reparallelize"
+    by = {c.strategy: c for c in cycle}
+    assert by["reroute"].move_back_ms == min(c.move_back_ms for c in cycle)
+    assert by["reroute"].move_back_ms < by["restart"].move_back_ms / 4
+    assert totals(cycle) == {"reroute": 276278.3, "reparallelize": 318770.6,
+                             "takeover": 409135.2, "restart": 595948.8}
+    assert totals(horizon) == {"reparallelize": 24314677.7, "reroute": 26084745.7,
+                               "restart": 33283489.7, "takeover": 35203080.8}
+
+
+def test_a_long_repair_after_three_losses_in_one_stage_makes_re_planning_win():
+    """Pipeline 2 x data 4 has lost two replicas of stage 0 (both rerouted); now the third.
+    Rerouting again leaves one rank holding stage 0 for every pipeline (4.3 s an iteration);
+    a restart onto 4 ranks re-plans (1.9 s) but loses the 1000 iterations since the
+    checkpoint. The horizon rule (a failure every 0.3 h: 469 iterations) reroutes. The slot
+    is back only after 6 h: the next failure comes first, and one time in five it takes the
+    last holder of stage 0: a restart then that also loses the window's work. Re-planning
+    now is cheaper."""
+    plan = pp2_dp4()
+    for lost in ({1}, {2}):   # stage 0's ranks, as renumbered after each recovery
+        plan = REGISTRY["reroute"].propose(plan, lost, Context(PROFILE)).plan
+    s = Situation(iteration=1000, checkpoint_iteration=0, remaining_iterations=100_000,
+                  mtbf_hours=0.3, failure_free_ms=predict_plan(plan, PROFILE).iteration_ms,
+                  repair_hours=6.0)
+    cycle, horizon = ranked_both(plan, {1}, s)
+    assert choose(cycle).strategy == "restart"
+    assert choose(horizon).strategy == "reroute"
+    reroute = next(c for c in cycle if c.strategy == "reroute")
+    assert fatal_share(reroute.plan, False) == 1 / 5
+    assert window(s, s.failure_free_ms).failure_first > 0.99
+    assert totals(cycle) == {"restart": 3209125.8, "reroute": 3269275.6}
+    assert totals(horizon) == {"reroute": 2008110.7, "restart": 3206755.8}
+
+
+def test_a_failure_just_after_a_checkpoint_makes_restart_win():
+    """Pipeline 4 x data 2 loses rank 5 one iteration after a checkpoint; the slot is back in
+    15 minutes, a failure comes every 2 hours. The horizon rule (2 h: 4831 iterations)
+    re-parallelizes over all 7 survivors: 1.3 s an iteration, but 350 s of state moved in
+    and 116 s to move back. Over the 15 minutes the restart onto 6 (the checkpoint is fresh:
+    2.5 s to enter, 1.8 s an iteration, 73 s back) is cheaper than every other; with an old
+    checkpoint it is not."""
+    plan = pp4_dp2()
+    s = Situation(iteration=1001, checkpoint_iteration=1000, remaining_iterations=100_000,
+                  mtbf_hours=2.0, failure_free_ms=predict_plan(plan, PROFILE).iteration_ms,
+                  repair_hours=0.25)
+    cycle, horizon = ranked_both(plan, {5}, s)
+    assert choose(cycle).strategy == "restart"
+    assert choose(horizon).strategy == "reparallelize"
+    assert totals(cycle) == {"restart": 1097746.1, "reparallelize": 1205022.4,
+                             "takeover": 1223500.9, "reroute": 1454026.7}
+    assert totals(horizon) == {"reparallelize": 6752839.5, "restart": 8772195.5,
+                               "takeover": 9959359.6, "reroute": 11936944.0}
+    old = dataclasses.replace(s, checkpoint_iteration=500)
+    assert choose(candidates(plan, {5}, PROFILE, old)).strategy != "restart"
+
+
+# ---- a rejoin -----------------------------------------------------------------------------------
+def rejoin_case(**situation):
+    """Pipeline 2 x data 4 rerouted after losing rank 7; rank 7 is back."""
+    target = pp2_dp4()
+    current = REGISTRY["reroute"].propose(target, {7}, Context(PROFILE)).plan
+    members = [*range(7), None]
+    new, lost = overlay(target, current, members)
+    assert not lost
+    s = Situation(**{"iteration": 500, "checkpoint_iteration": 400, "remaining_iterations":
+                     10_000, "mtbf_hours": 6.0, "failure_free_ms": 1180.0, **situation})
+    return rejoin_choice(current, predict_plan(current, PROFILE).iteration_ms, new,
+                         predict_plan(new, PROFILE).iteration_ms,
+                         {i: m for i, m in enumerate(members) if m is not None}, PROFILE, s)
+
+
+def test_a_rejoin_mid_run_is_admitted_now():
+    choice = rejoin_case()
+    assert choice.action == "now" and choice.at_iteration is None
+    assert set(choice.costs) == {"now", "stay"}    # no periodic saves: no checkpoint option
+
+
+def test_a_rejoin_near_the_end_of_training_stays():
+    """Ten iterations left: the 59 s state move costs more than they would save."""
+    choice = rejoin_case(remaining_iterations=10)
+    assert choice.action == "stay"
+    assert choice.costs["stay"] < choice.costs["now"]
+
+
+def test_a_rejoin_waits_for_a_near_checkpoint_when_moving_state_costs_more():
+    """A save in 20 iterations: entering from that fresh checkpoint (a rebuild and a read of
+    under a second) beats moving 600 MiB between peers now, and 20 rerouted iterations cost
+    less than the difference. A save 400 iterations away: admitted now."""
+    near = rejoin_case(iteration=581, save_interval=600)
+    assert near.action == "checkpoint" and near.at_iteration == 600
+    assert near.costs["checkpoint"] < near.costs["now"] < near.costs["stay"]
+    far = rejoin_case(iteration=201, save_interval=600)
+    assert far.action == "now"
+
+
+# ---- the job's clock ----------------------------------------------------------------------------
+def test_the_job_clock_tells_the_repair_time_given_or_measured():
+    ckpt = CheckpointConfig()
+    assert JobClock(ckpt, 100, 1.0, False, 30.0).situation(5).repair_hours == 0.5
+    clock = JobClock(ckpt, 100, 1.0, False)
+    assert clock.situation(5).repair_hours is None   # unknown: the horizon rule
+    for seconds in (600.0, 1200.0, 7200.0):
+        clock.rejoined(seconds)
+    assert clock.situation(6).repair_hours == pytest.approx(1200.0 / 3600)
+
+
+# ---- chameleon-plan -----------------------------------------------------------------------------
+ARGS = ["--device", "A100", "--num-layers", "8", "--hidden-size", "256",
+        "--num-attention-heads", "8", "--seq-length", "128", "--micro-batch-size", "1",
+        "--vocab-size", "1024", "--world-size", "8", "--pipeline-parallel", "2",
+        "--global-batch-size", "32", "--fail", "7", "--mtbf", "6", "--train-iters", "10000000"]
+
+
+def test_chameleon_plan_prints_each_candidate_s_window_and_move_back_costs(capsys):
+    assert main(ARGS + ["--repair-minutes", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "move back ms" in out and "window cost s" in out and "next failure ms" in out
+    assert "the repair first" in out
+    assert main(ARGS + ["--repair-minutes", "30", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert 0 < got["window"]["repair_first"] < 1
+    assert all(c["move_back_ms"] > 0 and c["next_failure_ms"] > 0 for c in got["candidates"])
+
+
+@pytest.mark.parametrize("value, says", [("-5", "is not positive"), ("0", "is not positive"),
+                                         ("nan", "is not positive"),
+                                         ("soon", "is not a number")])
+def test_chameleon_plan_rejects_a_bad_repair_time_in_one_line(capsys, value, says):
+    with pytest.raises(SystemExit) as e:
+        main(ARGS + ["--repair-minutes", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--repair-minutes" in err and says in err

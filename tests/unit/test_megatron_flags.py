@@ -1,0 +1,132 @@
+"""Megatron-LM's flags: each one honoured (it reaches the job's config with Megatron's meaning)
+or refused with one line naming it; checked in-process on the parser (the end-to-end runs are
+in tests/e2e/test_megatron_recipes.py)."""
+
+import pytest
+
+from megatron.training.arguments import ArgumentError, parse_config
+
+BASE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32"]
+
+
+def config(*flags: str, world: int = 1):
+    return parse_config([*BASE, *flags], world_size=world)
+
+
+def refusal(*flags: str, world: int = 1) -> str:
+    with pytest.raises(ArgumentError) as e:
+        config(*flags, world=world)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_llama_style_flags_reach_the_model_config():
+    m = config("--swiglu", "--group-query-attention", "--num-query-groups", "2",
+               "--disable-bias-linear", "--normalization", "RMSNorm", "--use-rotary-position-embeddings",
+               "--rotary-base", "500000", "--untie-embeddings-and-output-weights",
+               "--qk-layernorm", "--norm-epsilon", "1e-6", "--kv-channels", "16",
+               "--attention-backend", "unfused").model
+    assert (m.swiglu, m.num_query_groups, m.add_bias_linear, m.normalization) == \
+        (True, 2, False, "RMSNorm")
+    assert (m.position_embedding_type, m.rotary_base, m.tied_embeddings, m.qk_layernorm) == \
+        ("rope", 500000, False, True)
+    assert (m.norm_epsilon, m.kv_channels, m.attention_backend) == (1e-6, 16, "unfused")
+    # Megatron-LM's SwiGLU default: 2/3 of 4h, down to a multiple of 64
+    assert m.ffn_hidden_size == 128
+    assert config().model.num_query_groups is None      # without --group-query-attention
+
+
+def test_the_transformer_config_is_megatron_lms():
+    import torch.nn.functional as F
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron.training.training import transformer_config
+    m = config("--swiglu", "--group-query-attention", "--num-query-groups", "2",
+               "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "1",
+               "--moe-router-pre-softmax",
+               "--moe-aux-loss-coeff", "0.01", "--recompute-granularity", "full",
+               "--recompute-method", "block", "--recompute-num-layers", "1").model
+    tc = transformer_config(m, 1)
+    assert tc.gated_linear_unit and tc.activation_func is F.silu and not tc.add_bias_linear
+    assert (tc.num_query_groups, tc.num_moe_experts, tc.moe_router_topk) == (2, 4, 1)
+    assert tc.moe_aux_loss_coeff == 0.01 and tc.attention_backend is AttnBackend.auto
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == \
+        ("full", "block", 1)
+
+
+def test_samples_fractions_and_exit_flags():
+    t = config("--train-samples", "10", "--global-batch-size", "4", "--micro-batch-size", "2",
+               "--lr-warmup-fraction", "0.25").training
+    assert t.train_iters == 3                           # the last batch completes the samples
+    assert t.schedule_samples() == (2, 10)              # warm-up: a quarter of the decay span
+    t = config("--train-iters", "8", "--lr-warmup-fraction", "0.5").training
+    assert t.schedule_samples() == (8, 16)
+    t = config("--train-samples", "40", "--lr-warmup-samples", "4",
+               "--lr-decay-samples", "20").training
+    assert t.schedule_samples() == (4, 20)
+    t = config("--exit-interval", "5", "--exit-duration-in-mins", "0.5",
+               "--exit-signal-handler", "--manual-gc", "--manual-gc-interval", "3").training
+    assert (t.exit_interval, t.exit_duration_s, t.exit_signal_handler) == (5, 30.0, True)
+    assert (t.manual_gc, t.manual_gc_interval) == (True, 3)
+
+
+def test_data_checkpoint_and_logging_flags():
+    c = config("--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask",
+               "--num-workers", "4", "--dataloader-type", "cyclic", "--no-load-optim",
+               "--log-throughput", "--log-timers-to-tensorboard", "--ckpt-format", "torch_dist")
+    assert (c.data.eod_mask_loss, c.data.reset_position_ids, c.data.reset_attention_mask) == \
+        (True, True, True)
+    assert (c.data.num_workers, c.data.dataloader_type) == (4, "cyclic")
+    assert (c.checkpoint.load_optim, c.checkpoint.finetune) == (False, False)
+    assert c.logging.log_throughput and c.logging.log_timers_to_tensorboard
+    c = config("--finetune")
+    assert (c.checkpoint.load_optim, c.checkpoint.finetune) == (False, True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size: batch-size ramp-up"),
+    (["--context-parallel-size", "2"], "--context-parallel-size: context parallelism"),
+    (["--expert-model-parallel-size", "2", "--num-experts", "4"],
+     "--expert-model-parallel-size: expert parallelism"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "interleaved pipelines"),
+    (["--use-distributed-optimizer"], "--use-distributed-optimizer: the sharded optimizer"),
+    (["--overlap-grad-reduce"], "--overlap-grad-reduce:"),
+    (["--sequence-parallel"], "--sequence-parallel: sequence parallelism"),
+    (["--fp8-format", "hybrid"], "--fp8-format: fp8"),
+    (["--moe-grouped-gemm", "--num-experts", "2"], "--moe-grouped-gemm:"),
+    (["--async-save"], "--async-save: saves are synchronous"),
+    (["--ckpt-format", "torch"], "invalid choice: 'torch'"),
+    (["--attention-backend", "flash"], "--attention-backend flash is a transformer-engine kernel"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--num-experts", "2", "--moe-router-topk", "3"], "--moe-router-topk 3 must be in 1..--num"),
+    (["--num-experts", "2"], "--num-experts needs --disable-bias-linear"),
+    (["--recompute-granularity", "full"], "needs --recompute-method"),
+    (["--recompute-method", "uniform"], "go with --recompute-granularity full"),
+    (["--train-iters", "4", "--train-samples", "8"], "exclude each other"),
+    (["--train-samples", "8", "--lr-decay-iters", "4"], "go with --train-iters"),
+    (["--lr-decay-samples", "8"], "go with --train-samples"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "excludes --lr-warmup-iters"),
+    (["--swiglu", "--hidden-size", "16", "--num-attention-heads", "4"],
+     "--swiglu's default --ffn-hidden-size is 0"),
+    (["--exit-interval", "0"], "--exit-interval must be positive"),
+    (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
+])
+def test_unsupported_or_inconsistent_flags_are_refused_in_one_line(flags, message):
+    assert message in refusal(*flags)
+
+
+def test_megatron_cores_own_refusal_is_one_line():
+    from tests.launch import run_script
+    r = run_script([*BASE, "--num-experts", "2", "--moe-router-topk", "1",
+                    "--disable-bias-linear"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: megatron-core refuses the model flags: Please use "
+        "--moe-router-pre-softmax when topk is 1."]
+
+
+def test_tensor_parallel_needs_whole_query_groups():
+    assert "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2" in refusal(
+        "--group-query-attention", "--tensor-model-parallel-size", "2", world=2)
