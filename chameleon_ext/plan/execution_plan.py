@@ -7,6 +7,8 @@ round-trip through JSON so that the planner can publish them on the store and us
 
 from __future__ import annotations
 
+import copy
+
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -221,6 +223,21 @@ class ExecutionPlan:
         return sorted(r for g in groups for r in g)
 
     # ---- derived plans ------------------------------------------------------------------------
+    def with_micro_batches(self, num_micro_batches: int) -> "ExecutionPlan":
+        """This layout running `num_micro_batches` per iteration, split into equal contiguous
+        blocks over its pipelines as failure_free splits them (a batch ramp's next batch)."""
+        dp = len(self.pipelines)
+        if num_micro_batches % dp:
+            raise PlanError(f"{num_micro_batches} micro-batches do not split over {dp} pipelines")
+        k = num_micro_batches // dp
+        plan = ExecutionPlan(self.num_layers, self.tensor_parallel, self.micro_batch_size,
+                             num_micro_batches,
+                             [Pipeline([copy.deepcopy(st) for st in p.stages],
+                                       list(range(i * k, (i + 1) * k)))
+                              for i, p in enumerate(self.pipelines)], self.generation)
+        plan.validate()
+        return plan
+
     def relabelled(self, mapping: dict[int, int], generation: int | None = None
                    ) -> "ExecutionPlan":
         """A new plan: this one with every rank r (of its stages and hosts) named mapping[r],

@@ -5,7 +5,7 @@ Everything plan-dependent is built here so that a new plan (after a failure) mea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable
 
@@ -172,3 +172,14 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
                      received)
     return Built(rt, Executor(rt, schedule), schedule, forward_only(plan), groups, received,
                  rt.shadows)
+
+
+def rebatch(built: Built, plan: ExecutionPlan) -> Built:
+    """`built` running `plan`, which differs from its own only in its micro-batches (a batch
+    ramp): the schedules and the executor are rebuilt, nothing else."""
+    if built.shadows is not None or built.runtime.emulation is not None:
+        raise ValueError("a batch ramp runs without shadows and emulation")
+    schedule = choose_schedule(plan)
+    executor = type(built.executor)(built.runtime, schedule) if isinstance(
+        built.executor, Executor) else type(built.executor)(built.runtime)
+    return replace(built, executor=executor, schedule=schedule, eval_schedule=forward_only(plan))

@@ -20,6 +20,7 @@ from chameleon_ext.planning.perf_model import Profile, ProfileError
 from megatron.elastic.config import (ConfigError, ElasticConfig, Executor, Redundancy, Strategy,
                                      Timeouts)
 from megatron.elastic.emulation import STORAGE_MIB_PER_S
+from megatron.training.batch_ramp import BatchRamp
 from megatron.training.config import (AttentionBackend, Backend, CheckpointConfig, DataConfig, JobConfig,
                                       DataloaderType, LoadBalancing, LoggingConfig,
                                       LRDecayStyle, ModelConfig, Normalization,
@@ -115,9 +116,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro batch size x data parallel size")
-    g.add_argument("--rampup-batch-size", nargs=3, default=None,
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="refused: the plan's batch is fixed for now")
+                   help="with --train-samples: the global batch starts at START and grows by "
+                        "INCREMENT over SAMPLES samples up to --global-batch-size")
     g.add_argument("--train-iters", type=int, default=None, help="default 20")
     g.add_argument("--train-samples", type=int, default=None,
                    help="instead of --train-iters: samples to train on (iterations: rounded up)")
@@ -392,6 +394,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
             clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+            ramp=args.ramp,
             lr_warmup_samples=args.lr_warmup_samples or None,
             lr_decay_samples=args.lr_decay_samples,
             exit_interval=args.exit_interval,
@@ -470,6 +473,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         need(args.global_batch_size % (args.micro_batch_size * dp) == 0,
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
              f"{args.micro_batch_size} x data parallel size {dp}")
+    args.ramp = None
+    if args.rampup_batch_size is not None:
+        args.ramp = BatchRamp(*args.rampup_batch_size, final=args.global_batch_size)
+        problem = args.ramp.problem(args.micro_batch_size * dp)
+        need(problem is None, problem or "")
+        args.train_iters = len(args.ramp.first_samples(args.train_samples))
     if args.kv_channels is None:
         need(args.hidden_size % args.num_attention_heads == 0,
              f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
@@ -644,9 +653,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 # Megatron-LM flags this job cannot honour yet, each with the reason its line gives; checked
 # before anything else so that no other complaint hides them.
 _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
-    ("--rampup-batch-size", lambda a: a.rampup_batch_size is not None,
-     "batch-size ramp-up is not supported yet (the plan's global batch is fixed): set "
-     "--global-batch-size"),
+    ("--rampup-batch-size", lambda a: a.rampup_batch_size is not None and a.chameleon,
+     "not with --chameleon yet: a recovery's plan keeps one global batch"),
+    ("--rampup-batch-size", lambda a: a.rampup_batch_size is not None and a.chameleon_plan,
+     "not with --chameleon-plan: the ramp changes the homogeneous plan's micro-batches"),
     ("--context-parallel-size", lambda a: a.context_parallel_size != 1,
      "context parallelism is not supported (only 1)"),
     ("--expert-model-parallel-size", lambda a: a.expert_model_parallel_size != 1,
@@ -686,6 +696,9 @@ def _train_span(args: argparse.Namespace) -> None:
     if args.train_samples is None:
         if args.train_iters is None:
             args.train_iters = 20
+        if args.rampup_batch_size is not None:
+            raise ArgumentError("--rampup-batch-size needs --train-samples (as in Megatron-LM: "
+                                "no batch-size ramp-up for iteration-based training)")
         if args.lr_decay_samples is not None or args.lr_warmup_samples:
             raise ArgumentError("--lr-decay-samples and --lr-warmup-samples go with "
                                 "--train-samples; with --train-iters use --lr-decay-iters and "

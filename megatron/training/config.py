@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron.elastic.config import ElasticConfig
+from megatron.training.batch_ramp import BatchRamp
 from megatron.training.tokenizer import TokenizerType
 
 PositionEmbedding = Literal["learned_absolute", "rope"]
@@ -115,7 +116,8 @@ class TrainingConfig:
 
     micro_batch_size: int                    # --micro-batch-size
     global_batch_size: int                   # --global-batch-size (a --chameleon-plan's own)
-    train_iters: int                         # --train-iters
+    train_iters: int                         # --train-iters (or from --train-samples)
+    ramp: BatchRamp | None = None            # --rampup-batch-size (with --train-samples)
     seed: int = 1234                         # --seed
     lr: float = 1e-3                         # --lr
     min_lr: float = 0.0                      # --min-lr
@@ -139,6 +141,11 @@ class TrainingConfig:
     exit_signal_handler: bool = False        # --exit-signal-handler: SIGTERM saves and exits 0
     manual_gc: bool = False                  # --manual-gc: no automatic garbage collection
     manual_gc_interval: int = 0              # --manual-gc-interval (0: at evals and saves only)
+
+    @property
+    def first_global_batch(self) -> int:
+        """The global batch of the first iteration (the ramp's start)."""
+        return self.ramp.global_batch(0) if self.ramp else self.global_batch_size
 
     def schedule_samples(self) -> tuple[int, int]:
         """(warm-up, decay) of the LR schedule in samples, as megatron-core's scheduler counts."""

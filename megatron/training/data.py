@@ -281,9 +281,12 @@ class MicroBatchLoader:
     """
 
     def __init__(self, dataset, micro_batch_size: int, num_micro_batches: int, *,
-                 num_workers: int = 0, cyclic_seed: Optional[int] = None) -> None:
+                 num_workers: int = 0, cyclic_seed: Optional[int] = None,
+                 first_samples: Optional[List[int]] = None) -> None:
         """`num_workers` >= 2: threads that read one micro-batch's samples at once
-        (--num-workers); `cyclic_seed`: --dataloader-type cyclic with this seed."""
+        (--num-workers); `cyclic_seed`: --dataloader-type cyclic with this seed;
+        `first_samples`: the samples consumed before each iteration when the batch grows
+        (--rampup-batch-size; else iteration x samples per iteration)."""
         if dataset is None:
             raise DataError("MicroBatchLoader got no dataset (is its --split weight 0?)")
         if int(micro_batch_size) < 1 or int(num_micro_batches) < 1:
@@ -293,6 +296,7 @@ class MicroBatchLoader:
         self.micro_batch_size = int(micro_batch_size)
         self.num_micro_batches = int(num_micro_batches)
         self.cyclic_seed = cyclic_seed
+        self.first_samples = first_samples
         self._epoch: Tuple[int, Optional[torch.Tensor]] = (-1, None)
         self._pool = ThreadPoolExecutor(num_workers) if num_workers >= 2 else None
 
@@ -322,7 +326,9 @@ class MicroBatchLoader:
             raise DataError(f"iteration must be >= 0, got {iteration}")
         if not 0 <= microbatch < self.num_micro_batches:
             raise DataError(f"micro-batch {microbatch} is outside [0, {self.num_micro_batches})")
-        start = (iteration * self.num_micro_batches + microbatch) * self.micro_batch_size
+        first = self.first_samples[iteration] if self.first_samples is not None \
+            else iteration * self.samples_per_iteration
+        start = first + microbatch * self.micro_batch_size
         return range(start, start + self.micro_batch_size)
 
     def get(self, iteration: int, microbatch: int) -> Dict[str, torch.Tensor]:

@@ -147,8 +147,12 @@ class Trainer:
         reading = dict(num_workers=data.num_workers,
                        cyclic_seed=config.training.seed if data.dataloader_type == "cyclic"
                        else None)
-        self.train_loader = MicroBatchLoader(train_ds, plan.micro_batch_size,
-                                             plan.num_micro_batches, **reading)
+        ramp = config.training.ramp
+        self.train_loader = MicroBatchLoader(
+            train_ds, plan.micro_batch_size, plan.num_micro_batches, **reading,
+            first_samples=ramp.first_samples(config.training.train_iters
+                                             * config.training.global_batch_size)
+            if ramp else None)
         self.valid_loader = (MicroBatchLoader(valid_ds, plan.micro_batch_size,
                                               plan.num_micro_batches, **reading)
                              if valid_ds is not None and config.training.eval_interval
@@ -175,7 +179,7 @@ class Trainer:
         self.model_meta = {"num_layers": config.model.num_layers,
                            "hidden_size": config.model.hidden_size,
                            "tensor_parallel": plan.tensor_parallel,
-                           "global_batch_size": plan.global_batch_size,
+                           "global_batch_size": config.training.global_batch_size,
                            "seq_length": config.model.seq_length}
         self.save_timeout_s = elastic.timeouts.save_s if elastic.enabled else None
         self.iteration = 0          # the last iteration whose step this rank applied
@@ -266,6 +270,9 @@ class Trainer:
     def train_step(self, it: int) -> None:
         """Iteration `it` (1-based): run this rank's ops; the step is applied everywhere or
         nowhere (the executor's commit)."""
+        ramp = self.config.training.ramp
+        if ramp and ramp.global_batch(self.consumed) != self.plan.global_batch_size:
+            self._rebatch(ramp.global_batch(self.consumed))
         self.injector.maybe_fire(it, "between-iterations")
         self.elastic.tick(it, "between-iterations",
                           allow_s=self.elastic.progress_allowance(self.reporter.times))
@@ -378,6 +385,18 @@ class Trainer:
             if profile is not None:
                 profile.save(os.path.join(root, "profile.json"))
         self.watch.lap_ms()
+
+    def _rebatch(self, global_batch: int) -> None:
+        """--rampup-batch-size: the same layout, groups, model and optimizer with more
+        micro-batches per iteration; only the schedules and the loaders change."""
+        plan = self.plan.with_micro_batches(global_batch // self.plan.micro_batch_size)
+        self.plan = self.built.runtime.plan = plan
+        for loader in (self.train_loader, self.valid_loader):
+            if loader is not None:
+                loader.num_micro_batches = plan.num_micro_batches
+        self.built = runtime.rebatch(self.built, plan)
+        self.reporter.line(f"> global batch size {global_batch} from iteration "
+                           f"{self.iteration + 1} ({plan.num_micro_batches} micro-batches)")
 
     def _collect(self) -> None:
         """--manual-gc: the garbage of evaluations and saves, collected after them."""

@@ -120,7 +120,7 @@ def make_plan(config: JobConfig) -> ExecutionPlan:
         return plan
     return ExecutionPlan.failure_free(world, par.tensor_parallel, par.pipeline_parallel,
                                       model.num_layers, training.micro_batch_size,
-                                      training.global_batch_size)
+                                      training.first_global_batch)
 
 
 def place_on_nodes(config: JobConfig, plan: ExecutionPlan) -> tuple[ExecutionPlan, str | None]:
@@ -133,7 +133,7 @@ def place_on_nodes(config: JobConfig, plan: ExecutionPlan) -> tuple[ExecutionPla
     nodes = nodes_from_store(connect_store(), plan.world_size)
     placed = placement.place(par.placement, nodes, par.tensor_parallel, par.pipeline_parallel,
                              config.model.num_layers, config.training.micro_batch_size,
-                             config.training.global_batch_size)
+                             config.training.first_global_batch)
     return placed, placement.describe(par.placement, placed, nodes)
 
 
@@ -163,8 +163,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
     if config.elastic.enabled and not ElasticManager.available():
         _fail("--chameleon needs the job to run under chameleon-launch (no CHAMELEON_STORE)")
     # What only the plan and the tokenizer know: a --chameleon-plan's batch, the padded vocabulary.
+    gbs = plan.global_batch_size if config.parallel.plan_file else \
+        config.training.global_batch_size
     config = replace(
-        config, training=replace(config.training, global_batch_size=plan.global_batch_size),
+        config, training=replace(config.training, global_batch_size=gbs),
         model=replace(config.model, padded_vocab_size=_pad_vocab(tokenizer.vocab_size,
                                                                  config.model)))
     injector = Injector(list(config.elastic.inject), int(os.environ.get("RANK", "0")))

@@ -46,14 +46,14 @@ def test_megatron_lms_857m_example_flags_train(small_data, tmp_path):
 
 
 def test_megatron_lms_175b_example_flags(small_data, tmp_path):
-    """Its --rampup-batch-size is refused in one line; without it the rest trains (TP 8 x
-    PP 16 -> TP 2 x PP 2)."""
+    """With --train-iters its --rampup-batch-size is refused in one line, as Megatron-LM refuses
+    it (a ramp is sample-based); without it the rest trains (TP 8 x PP 16 -> TP 2 x PP 2)."""
     flags = [f if f != "430000" else "100" for f in example_857m(small_data, tmp_path)]
     flags[flags.index("--pipeline-model-parallel-size") + 1] = "2"
     ramp = ["--rampup-batch-size", "4", "4", "16"]
     r = run_script([*flags, *ramp], env={"WORLD_SIZE": "4"})
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "--rampup-batch-size: batch-size ramp-up is not supported yet" in r.stderr
+    assert "--rampup-batch-size needs --train-samples" in r.stderr
     run = run_job(4, flags, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.iterations() == [1, 2, 3, 4]
@@ -66,8 +66,8 @@ LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
          "--init-method-std", "0.02", "--norm-epsilon", "1e-6", "--rotary-base", "500000"]
 
 
-def llama(data: str, iters: int = 8, pp: int = 2) -> list[str]:
-    return SMALL_MODEL + LLAMA + [
+def llama(data: str, iters: int = 8, pp: int = 2, model: list[str] = LLAMA) -> list[str]:
+    return SMALL_MODEL + model + [
         "--pipeline-model-parallel-size", str(pp), "--global-batch-size", "16", "--train-iters",
         str(iters), "--lr", "3e-3", "--lr-warmup-fraction", "0.1", "--data-path", data,
         "--split", "100,0,0"]
@@ -141,3 +141,34 @@ def test_sigterm_to_one_worker_is_its_planned_leave(llama_reference, small_data,
     assert "worker rank 2" in run.stderr and "exited 0" in run.stderr
     recoveries = [e for e in run.metrics if e["event"] == "recovery"]
     assert len(recoveries) == 1 and recoveries[0]["lost_iterations"] == 0, recoveries
+
+
+def test_checkpoint_flags_of_a_finetuning_user(llama_reference, small_data, tmp_path):
+    """A Llama-style checkpoint of iteration 4 resumed with --use-checkpoint-args (no model
+    flags given: the checkpoint's shape) gives the failure-free losses; --no-load-optim goes on
+    from iteration 4 with a fresh optimizer; --finetune starts over at iteration 1 from its
+    parameters."""
+    ckpt = str(tmp_path / "ckpt")
+    first = run_job(1, llama(small_data, pp=1) + ["--save", ckpt, "--exit-interval", "4"],
+                    tmp_path, name="first")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "exiting after iteration 4: --exit-interval 4" in first.stdout
+    # the model's shape comes from the checkpoint; what is not a shape stays the job's own
+    plain = llama(small_data, pp=1, model=["--init-method-std", "0.02"])
+    shape = run_job(1, plain + ["--load", ckpt, "--use-checkpoint-args"], tmp_path,
+                    name="checkpoint-args")
+    assert shape.returncode == 0, shape.stderr[-3000:]
+    assert shape.iterations() == [5, 6, 7, 8]
+    assert_close(shape.losses(), llama_reference[4:])
+    fresh = run_job(1, llama(small_data, pp=1) + ["--load", ckpt, "--no-load-optim"], tmp_path,
+                    name="no-load-optim")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert fresh.iterations() == [5, 6, 7, 8] and fresh.losses()[0] == pytest.approx(
+        llama_reference[4], rel=1e-5)              # the same parameters: the same first loss
+    assert fresh.losses()[1] != pytest.approx(llama_reference[5], rel=1e-5)   # a fresh Adam
+    tuned = run_job(1, llama(small_data, pp=1) + ["--load", ckpt, "--finetune"], tmp_path,
+                    name="finetune")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert "to fine-tune from iteration 0" in tuned.stdout
+    assert tuned.iterations() == list(range(1, 9))
+    assert tuned.losses()[0] != pytest.approx(llama_reference[0], rel=1e-3)   # trained weights

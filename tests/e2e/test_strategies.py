@@ -116,7 +116,7 @@ def test_eager_redundancy_takeover_moves_no_state(references, small_data, tmp_pa
     assert_memory_within_estimates(events)
 
 
-@pytest.mark.parametrize("strategy", ["reroute", "takeover", "reparallelize", "auto"])
+@pytest.mark.parametrize("strategy", ["reroute", "takeover", "auto"])
 def test_a_lost_tensor_parallel_rank_takes_its_group_out(references, small_data, tmp_path,
                                                          strategy):
     """TP 2 x PP 2 x DP 2 loses rank 3, one shard of pipeline 1's first stage: the group is

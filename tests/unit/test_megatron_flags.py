@@ -71,6 +71,15 @@ def test_samples_fractions_and_exit_flags():
     assert (t.manual_gc, t.manual_gc_interval) == (True, 3)
 
 
+def test_a_batch_ramp_counts_as_megatron_lm_does():
+    t = config("--train-samples", "60", "--global-batch-size", "12", "--micro-batch-size", "2",
+               "--rampup-batch-size", "4", "4", "16").training
+    # two increments of 8 samples each: 4, 4, then 8 after 8 samples, 12 after 16
+    assert [t.ramp.global_batch(c) for c in (0, 4, 8, 15, 16, 1000)] == [4, 4, 8, 8, 12, 12]
+    assert t.ramp.first_samples(60) == [0, 4, 8, 16, 28, 40, 52]
+    assert t.train_iters == 7 and t.first_global_batch == 4
+
+
 def test_data_checkpoint_and_logging_flags():
     c = config("--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask",
                "--num-workers", "4", "--dataloader-type", "cyclic", "--no-load-optim",
@@ -85,7 +94,13 @@ def test_data_checkpoint_and_logging_flags():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size: batch-size ramp-up"),
+    (["--rampup-batch-size", "16", "16", "1000"], "--rampup-batch-size needs --train-samples"),
+    (["--rampup-batch-size", "2", "2", "8", "--train-samples", "64", "--chameleon",
+      "--global-batch-size", "8"], "--rampup-batch-size: not with --chameleon yet"),
+    (["--rampup-batch-size", "2", "4", "8", "--train-samples", "64", "--global-batch-size", "8"],
+     "not the start plus a whole number of increments"),
+    (["--rampup-batch-size", "2", "2", "8", "--train-samples", "64", "--global-batch-size", "8",
+      "--micro-batch-size", "4"], "must be a multiple of --micro-batch-size x data parallel"),
     (["--context-parallel-size", "2"], "--context-parallel-size: context parallelism"),
     (["--expert-model-parallel-size", "2", "--num-experts", "4"],
      "--expert-model-parallel-size: expert parallelism"),
