@@ -62,7 +62,7 @@ def train_valid_test_datasets_provider(job: JobConfig, tokenizer):
         valid_samples=training.eval_iters * gbs if training.eval_interval else 0,
         test_samples=0, data_cache_path=data.cache_path, eod_mask_loss=data.eod_mask_loss,
         reset_position_ids=data.reset_position_ids,
-        reset_attention_mask=data.reset_attention_mask)
+        reset_attention_mask=data.reset_attention_mask, mmap_bin_files=data.mmap_bin_files)
 
 
 if __name__ == "__main__":

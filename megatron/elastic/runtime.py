@@ -79,6 +79,7 @@ class RuntimeSpec:
     hooks: StepHooks = StepHooks()     # the executor's calls out (the elastic manager's)
     emulation: Emulation | None = None  # each runtime's ops padded to its emulated device
     every_stage_reads: bool = False    # the batch carries an attention mask every layer needs
+    grad_reduce_in_fp32: bool = True   # not --grad-reduce-in-bf16
 
 
 def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
@@ -122,7 +123,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         seeder = stage_model.DropoutSeeder(seed)
         seeder.attach(module, stage.layer_start, first, pos.tp_rank)
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=spec.grad_reduce_in_fp32,
+                                               overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     store = wgrad.install(module) if split else None
     model = DistributedDataParallel(cfg, ddp_config, module, pg_collection=pgs)

@@ -85,6 +85,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--apply-query-key-layer-scaling", action="store_true",
                    help="scale Q x K^T by 1 / layer number (softmax in fp32)")
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted: every model here is megatron-core's")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="refused: torch's norms have no zero-centred gamma")
 
     g = p.add_argument_group("moe", "mixture of experts (expert parallel 1)")
     g.add_argument("--num-experts", type=int, default=None,
@@ -140,6 +144,14 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "--manual-gc-interval iterations")
     g.add_argument("--manual-gc-interval", type=int, default=0,
                    help="0: only at evaluations and checkpoints")
+    g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
+                   help="1 or 2: release the CUDA caching allocator's unused blocks after each "
+                        "step (nothing to release on CPU)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="refused: the loss is the mean of each micro-batch's token mean")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="refused: the vocab-parallel cross entropy runs unfused")
+    g.add_argument("--profile", action="store_true", help="refused: no profiler hooks yet")
 
     g = p.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=1e-3)
@@ -157,6 +169,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="refused: one learning rate for every parameter")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="refused: one learning rate for every parameter")
 
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -180,6 +196,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="refused: needs the distributed optimizer")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="refused: sequence parallelism is not supported yet")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients in bf16 (with --bf16; default fp32)")
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -200,6 +218,12 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="no attention across end-of-document tokens")
     g.add_argument("--num-workers", type=int, default=2,
                    help="threads that read each micro-batch's samples")
+    g.add_argument("--no-mmap-bin-files", action="store_true",
+                   help="read the .bin files instead of mapping them")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true",
+                   help="accepted: the causal mask is implied (a mask is built only for "
+                        "--reset-attention-mask, which this flag excludes)")
+    g.add_argument("--tiktoken-pattern", default=None, help="refused: no TikTokenizer here")
     g.add_argument("--dataloader-type", choices=get_args(DataloaderType), default="single",
                    help="single: the dataset's order once; cyclic: a new seeded shuffle of it "
                         "each pass")
@@ -233,6 +257,13 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--log-throughput", action="store_true",
                    help="model TFLOP/s per GPU in each iteration line")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true", help="refused: not logged yet")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="refused: not logged yet")
+    g.add_argument("--wandb-project", default=None,
+                   help="refused: wandb is not installed; use --tensorboard-dir")
+    g.add_argument("--wandb-exp-name", default=None, help="refused with --wandb-project")
+    g.add_argument("--wandb-save-dir", default=None, help="refused with --wandb-project")
 
     g = p.add_argument_group("chameleon", "fault-tolerance and execution-plan options")
     g.add_argument("--chameleon", action="store_true",
@@ -401,7 +432,9 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             exit_duration_s=(None if args.exit_duration_in_mins is None
                              else 60.0 * args.exit_duration_in_mins),
             exit_signal_handler=args.exit_signal_handler, manual_gc=args.manual_gc,
-            manual_gc_interval=args.manual_gc_interval),
+            manual_gc_interval=args.manual_gc_interval,
+            empty_unused_memory_level=args.empty_unused_memory_level,
+            grad_reduce_in_bf16=args.grad_reduce_in_bf16),
         logging=LoggingConfig(
             log_interval=args.log_interval, timing_log_level=args.timing_log_level,
             tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
@@ -414,6 +447,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
             eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
             reset_attention_mask=args.reset_attention_mask, num_workers=args.num_workers,
+            mmap_bin_files=not args.no_mmap_bin_files,
             dataloader_type=args.dataloader_type),
         checkpoint=CheckpointConfig(save=args.save, load=args.load,
                                     save_interval=args.save_interval,
@@ -569,6 +603,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive")
     need(args.manual_gc_interval >= 0, "--manual-gc-interval must be non-negative")
     need(args.num_workers >= 0, "--num-workers must be non-negative")
+    need(not (args.no_create_attention_mask_in_dataloader and args.reset_attention_mask),
+         "--reset-attention-mask needs the loader's attention mask "
+         "(--no-create-attention-mask-in-dataloader refuses it)")
+    need(not args.grad_reduce_in_bf16 or args.bf16, "--grad-reduce-in-bf16 needs --bf16")
 
     need(args.tokenizer_type in TOKENIZER_TYPES,
          f"unknown --tokenizer-type {args.tokenizer_type!r}; choose one of "
@@ -682,6 +720,23 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "grouped GEMM is a CUDA kernel; experts run as separate MLPs"),
     ("--async-save", lambda a: a.async_save,
      "saves are synchronous: a recovery or restart needs a complete checkpoint"),
+    ("--apply-layernorm-1p", lambda a: a.apply_layernorm_1p,
+     "torch's LayerNorm and RMSNorm, which the local layers use, have no zero-centred gamma"),
+    ("--decoupled-lr", lambda a: a.decoupled_lr is not None or a.decoupled_min_lr is not None,
+     "one learning rate schedule for every parameter (no separate embedding LR yet)"),
+    ("--calculate-per-token-loss", lambda a: a.calculate_per_token_loss,
+     "the loss is the mean of each micro-batch's token mean, not a sum over the batch's tokens"),
+    ("--cross-entropy-loss-fusion", lambda a: a.cross_entropy_loss_fusion,
+     "the vocab-parallel cross entropy runs unfused"),
+    ("--profile", lambda a: a.profile, "no profiler hooks yet"),
+    ("--tiktoken-pattern", lambda a: a.tiktoken_pattern is not None,
+     "there is no TikTokenizer here"),
+    ("--log-params-norm", lambda a: a.log_params_norm, "the parameter norm is not logged yet"),
+    ("--log-num-zeros-in-grad", lambda a: a.log_num_zeros_in_grad,
+     "the gradient's zeros are not counted yet"),
+    ("--wandb-project", lambda a: any(v is not None for v in (
+        a.wandb_project, a.wandb_exp_name, a.wandb_save_dir)),
+     "wandb is not installed: the job logs to --tensorboard-dir"),
 )
 
 

@@ -141,6 +141,8 @@ class TrainingConfig:
     exit_signal_handler: bool = False        # --exit-signal-handler: SIGTERM saves and exits 0
     manual_gc: bool = False                  # --manual-gc: no automatic garbage collection
     manual_gc_interval: int = 0              # --manual-gc-interval (0: at evals and saves only)
+    empty_unused_memory_level: int = 0       # --empty-unused-memory-level: CUDA cache release
+    grad_reduce_in_bf16: bool = False        # --grad-reduce-in-bf16 (with --bf16)
 
     @property
     def first_global_batch(self) -> int:
@@ -190,6 +192,7 @@ class DataConfig:
     reset_position_ids: bool = False         # --reset-position-ids
     reset_attention_mask: bool = False       # --reset-attention-mask
     num_workers: int = 2                     # --num-workers: threads reading a micro-batch
+    mmap_bin_files: bool = True              # not --no-mmap-bin-files
     dataloader_type: DataloaderType = "single"   # --dataloader-type
 
 

@@ -174,7 +174,8 @@ class Trainer:
             timers=self.timers, executor=elastic.executor, compute_clock=compute_clock,
             eager=elastic.eager, measure_memory=elastic.enabled,
             hooks=self._step_hooks(), emulation=self.emulation,
-            every_stage_reads=config.data.reset_attention_mask)
+            every_stage_reads=config.data.reset_attention_mask,
+            grad_reduce_in_fp32=not training.grad_reduce_in_bf16)
         # What a checkpoint must match to be loaded, and how long its collectives may wait.
         self.model_meta = {"num_layers": config.model.num_layers,
                            "hidden_size": config.model.hidden_size,
@@ -286,6 +287,8 @@ class Trainer:
             self.elastic.drained(self.built.executor.drain(ops, self.elastic.lost_ranks()))
             self.built.executor.reset()
             raise StepFailure(failure)
+        if self.config.training.empty_unused_memory_level and torch.cuda.is_available():
+            torch.cuda.empty_cache()
         ms = self.watch.lap_ms()
         self.iteration, self.consumed = it, self.consumed + res.samples
         self.elastic.applied_step(it)

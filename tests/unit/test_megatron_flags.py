@@ -89,6 +89,9 @@ def test_data_checkpoint_and_logging_flags():
     assert (c.data.num_workers, c.data.dataloader_type) == (4, "cyclic")
     assert (c.checkpoint.load_optim, c.checkpoint.finetune) == (False, False)
     assert c.logging.log_throughput and c.logging.log_timers_to_tensorboard
+    c = config("--use-mcore-models", "--no-mmap-bin-files", "--empty-unused-memory-level", "1",
+               "--no-create-attention-mask-in-dataloader")
+    assert not c.data.mmap_bin_files and c.training.empty_unused_memory_level == 1
     c = config("--finetune")
     assert (c.checkpoint.load_optim, c.checkpoint.finetune) == (False, True)
 
@@ -127,6 +130,16 @@ def test_data_checkpoint_and_logging_flags():
      "--swiglu's default --ffn-hidden-size is 0"),
     (["--exit-interval", "0"], "--exit-interval must be positive"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
+    (["--apply-layernorm-1p"], "--apply-layernorm-1p: torch's LayerNorm and RMSNorm"),
+    (["--decoupled-lr", "5e-4"], "--decoupled-lr: one learning rate schedule"),
+    (["--calculate-per-token-loss"], "--calculate-per-token-loss: the loss is the mean"),
+    (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion: the vocab-parallel"),
+    (["--profile"], "--profile: no profiler hooks yet"),
+    (["--wandb-project", "p"], "--wandb-project: wandb is not installed"),
+    (["--log-params-norm"], "--log-params-norm: the parameter norm is not logged yet"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
+    (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"],
+     "--reset-attention-mask needs the loader's attention mask"),
 ])
 def test_unsupported_or_inconsistent_flags_are_refused_in_one_line(flags, message):
     assert message in refusal(*flags)

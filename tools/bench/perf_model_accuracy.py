@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--chameleon-emulate-dilation of the emulated runs")
     p.add_argument("--max-ranks", type=int, default=16,
                    help="run only the cases of at most this many ranks")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="run only the cases of this model (default: every model)")
     p.add_argument("--only-nodes", action="store_true",
                    help="run only the node-loss cases (with --emulate)")
     args = p.parse_args(argv)
@@ -163,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     emulate = ["--chameleon-emulate", args.emulate, "--chameleon-emulate-dilation",
                str(args.dilation)] if args.emulate else []
     cases = [c for c in (EMULATED_CASES if args.emulate else CASES)
-             if c.ranks <= args.max_ranks]
+             if c.ranks <= args.max_ranks and args.model in (None, c.model)]
     if not cases:
-        print(f"perf_model_accuracy.py: error: no case of at most {args.max_ranks} ranks",
-              file=sys.stderr)
+        print(f"perf_model_accuracy.py: error: no case of at most {args.max_ranks} ranks"
+              + (f" of model {args.model}" if args.model else ""), file=sys.stderr)
         return 2
     data = ensure_builtin_dataset(quiet=True, progress=False)
     errors = []
