@@ -7,16 +7,20 @@ from megatron.training.known_warnings import silence_known_warnings
 
 silence_known_warnings()  # before megatron-core's imports, which raise most of them
 
-import torch  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.training.config import JobConfig, ModelConfig
-from megatron.training.data import build_gpt_datasets
-from megatron.training.training import pretrain
+from megatron.training.deferred_compile import deferred_compile  # noqa: E402
+
+with deferred_compile():  # megatron-core's imports, without TorchDynamo (the module says why)
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.elastic.stage_model import sequence_parallel_block
+    from megatron.training.config import JobConfig, ModelConfig
+    from megatron.training.data import build_gpt_datasets
+    from megatron.training.training import pretrain
 
 
 def model_provider(model: ModelConfig, config, pre_process: bool, post_process: bool,
@@ -28,6 +32,9 @@ def model_provider(model: ModelConfig, config, pre_process: bool, post_process: 
         spec = get_gpt_layer_local_spec(num_experts=model.num_experts,
                                         qk_layernorm=model.qk_layernorm,
                                         normalization=model.normalization)
+        if config.sequence_parallel:
+            # megatron-core's torch norms refuse sequence parallelism (stage_model says why)
+            spec = sequence_parallel_block(spec, config.num_layers)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings, pre_process=pre_process,

@@ -102,6 +102,15 @@ def run_job(nproc: int, args: list[str], workdir: Path, *, timeout: float = 240,
                  "127.0.0.1", "--master-port", str(free_port())], args, workdir, timeout, name)
 
 
+def reference_run(nproc: int, args: list[str], workdir: Path, iterations: int,
+                  name: str = "reference") -> Run:
+    """run_job that must train iterations 1..`iterations`: a reference the cases compare with."""
+    run = run_job(nproc, args, workdir, name=name)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.iterations() == list(range(1, iterations + 1))
+    return run
+
+
 def run_chameleon(nproc: int, args: list[str], workdir: Path, *, timeout: float = 300,
                   name: str = "job", launcher_args: list[str] = ()) -> Run:
     """The same under chameleon-launch, whose workers survive a peer's death."""

@@ -43,7 +43,7 @@ class Agreement:
     generation: int             # the new generation this agreement opens
     alive: list[int]            # sorted old ranks that continue; new rank = alive.index(old rank)
     failed: list[int]           # candidates not in `alive` (failed, stale or exited cleanly)
-    leader: int                 # lowest alive rank: it published this list
+    leader: int                 # lowest alive rank holding state (else lowest): it published
     causes: dict[int, str] = field(default_factory=dict)   # failed rank -> cause / "stale" / "exited"
     # The last iteration whose optimizer step every rank of `alive` applied: the leader checked
     # that they all report the same one (None: nobody reported one, e.g. only joiners).
@@ -94,7 +94,9 @@ class Agreements:
         candidate is expected unless it is reported failed, exited cleanly or is lost unreported
         (`Heartbeat.unreported_losses`: its node's agent or, unwatched, its own heartbeat went
         silent; re-checked while waiting). Once every expected rank has arrived, the lowest of
-        them (the leader) checks that they applied the same steps and writes the final list
+        them that holds state (reported an iteration; the lowest of all when none does) is the
+        leader: it knows why the generation opened, which a rank without state (a joiner, a
+        spare) does not. It checks that they applied the same steps and writes the final list
         with compare_set, so exactly one list is ever published and every survivor reads that
         one. A leader that dies before publishing is dropped like any other rank and the next
         one publishes. Raises AgreementTimeout naming the ranks that never arrived,
@@ -134,7 +136,7 @@ class Agreements:
                     f"{generation}")
             expected = [r for r in cand if r not in dropped]
             missing = [r for r in expected if r not in arrived]
-            if missing or expected[0] != me:
+            if missing or self._leader(ns, expected) != me:
                 return None
             ag = Agreement(generation, expected, sorted(dropped), me,
                            {r: dropped[r] for r in sorted(dropped)},
@@ -156,6 +158,20 @@ class Agreements:
             raise DivergedSteps(f"rank {me} applied the steps up to iteration {iteration}, "
                                 f"generation {generation} agreed on {ag.iteration}")
         return ag
+
+    def _leader(self, ns: str, ranks: list[int]) -> int:
+        """The lowest of `ranks` (all arrived at agreement `ns`) that holds state, else the
+        lowest."""
+        arrivals = self.member.store.multi_get([f"{ns}/arrived/{r}" for r in ranks])
+        holders = [r for r, v in zip(ranks, arrivals) if json.loads(v).get("iteration") is not None]
+        return (holders or ranks)[0]
+
+    def opened(self, generation: int) -> bool:
+        """Whether some rank saw the world before `generation` break or arrived at its
+        agreement (no waiting)."""
+        ns = gen_prefix(generation)
+        return self.member.store.check([f"{ns}/noticed"]) or \
+            self.member.store.check([f"{ns}/arrivals"])
 
     def _agreed_iteration(self, ns: str, ranks: list[int]) -> int | None:
         """The one last applied iteration of `ranks` (arrived at agreement `ns`), or

@@ -35,7 +35,7 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
     chameleon/gen/{g}/retry            JSON next generation: g's world could not be built (a
                                        participant failed meanwhile); everyone agrees again there
     chameleon/gen/{g}/committed        g's world is built and holds the state (its leader, after
-                                       the first collective); ranks g's plan left out may go
+                                       the first collective); ranks g's plan left out are spares
     chameleon/gen/{g}/commit/{i}/votes counter: ranks of generation g ready to apply step i
     chameleon/gen/{g}/commit/{i}/decision  "commit" or "abort", written once (compare_set)
     chameleon/next_member              counter: a restarted worker's rank is world_size + its
@@ -46,7 +46,7 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
     chameleon/admit/{rank}             JSON {"generation", "candidates", "admission"}: where a
                                        joiner meets the others
     chameleon/trained                  the last iteration, once the job trained it (its lead): no
-                                       boundary is left to admit a joiner at
+                                       boundary is left to admit a joiner at; spares leave
 """
 
 STORE_ENV = "CHAMELEON_STORE"

@@ -7,6 +7,12 @@ takes its own plan where it absorbs the failure, else `restart`, and is still pr
 there is a profile, so the log shows predicted beside measured. Under the spread placement a
 restart's fresh plan is laid over the survivors' nodes the same way as the failure-free plan
 (chameleon_ext.plan.placement.spread_over); every other strategy keeps each survivor in its place.
+
+Spares (launch ranks alive in the agreement but out of the plan: left out by an earlier plan, or
+joiners with no place) are the decider's to use: `auto` weighs the substitute candidate (they
+take the lost places) with the others; a forced strategy substitutes first where they can, since
+they would otherwise sit idle; an admission places them like joiners. The new world's members
+are the stayers first, so its rank 0, the job's lead, always holds the state.
 """
 
 from __future__ import annotations
@@ -45,11 +51,12 @@ class Decider:
     nodes: Callable[[list[int]], dict[int, int]] | None = None
 
     def after_failure(self, plan: ExecutionPlan, launch_ranks: list[int], lost: set[int],
-                      iteration: int) -> Verdict:
+                      iteration: int, spares: list[int] = ()) -> Verdict:
         """The plan over the survivors of `plan` (whose rank r is launch rank
-        launch_ranks[r]) without the ranks `lost`, after a failure during `iteration`."""
+        launch_ranks[r]) without the ranks `lost`, after a failure during `iteration`;
+        `spares`: the launch ranks waiting out of the plan, in the order they take places."""
         profile = self._profile(plan, launch_ranks)
-        verdict = self._after_failure(plan, lost, iteration, profile)
+        verdict = self._after_failure(plan, lost, iteration, profile, len(spares))
         d = verdict.decision
         if d is None:
             return verdict
@@ -64,12 +71,14 @@ class Decider:
             d = self._forced("restart", new, plan, lost, profile)
             verdict = Verdict(d)
             used = plan.survivors(lost, d.plan.world_size)
-        d.members = [launch_ranks[r] for r in used]
+        # A substitute's places past the survivors' are the spares', in order.
+        d.members = [launch_ranks[r] for r in used] + \
+            list(spares[:d.plan.world_size - len(used)])
         self._place_restart(d, plan, lost, launch_ranks)
         return verdict
 
     def _after_failure(self, plan: ExecutionPlan, lost: set[int], iteration: int,
-                       profile: Profile | None) -> Verdict:
+                       profile: Profile | None, spares: int = 0) -> Verdict:
         survivors = plan.world_size - len(lost)
         if not state_survives(plan, lost, self.eager):
             # Every holder of some layer is gone: only a checkpoint has it.
@@ -80,7 +89,7 @@ class Decider:
         if self.strategy in ("auto", "reroute+restart") and profile is not None:
             ranked = planner.candidates(plan, lost, profile, self.planning.situation(iteration),
                                         planner.STRATEGIES if self.strategy == "auto"
-                                        else (self.strategy,))
+                                        else (self.strategy, "substitute"), spares)
             best = planner.choose(ranked)
             if best is not None:
                 return Verdict(Decision(
@@ -91,6 +100,9 @@ class Decider:
                     [c.summary() for c in ranked], profile.source))
             if self.strategy == "auto":
                 return self._none(lost, survivors)
+        found = REGISTRY["substitute"].propose(plan, lost, self._context(plan, profile, spares))
+        if found is not None:
+            return Verdict(self._forced("substitute", found.plan, plan, lost, profile))
         new, strategy = self._forced_plan(plan, lost, profile)
         if new is None:
             new, strategy = self._restart(plan, lost, profile)
@@ -99,23 +111,27 @@ class Decider:
         return Verdict(self._forced(strategy, new, plan, lost, profile))
 
     def for_switch(self, switch: Switch, plan: ExecutionPlan, launch_ranks: list[int],
-                   lost: set[int], iteration: int) -> Verdict:
-        """A hybrid's planned second step, as planned when nobody was lost meanwhile."""
+                   lost: set[int], iteration: int, spares: list[int] = ()) -> Verdict:
+        """A hybrid's planned second step, as planned when nobody was lost meanwhile (the
+        spares stay spares)."""
         if lost:
-            return self.after_failure(plan, launch_ranks, lost, iteration + 1)
+            return self.after_failure(plan, launch_ranks, lost, iteration + 1, spares)
         d = Decision(switch.strategy, switch.plan, switch.predicted_iter_ms,
                      members=[launch_ranks[r] for r in
                               plan.survivors(set(), switch.plan.world_size)])
         self._place_restart(d, plan, set(), launch_ranks)
         return Verdict(d)
 
-    def for_admission(self, plan: ExecutionPlan, launch_ranks: list[int], grown: list[int],
-                      iteration: int, scheduler: dict, consumed: int) -> Verdict:
-        """The failure-free plan laid over the grown world (launch ranks `grown`: the stayers
-        of `plan` and the joiners), each stayer on the layers it holds; with fewer ranks than
-        that plan, the places nobody takes are absorbed by the strategy as if they had
-        failed. The joiners take `scheduler`, the LR schedule's state, and `consumed`, the
-        samples count."""
+    def for_admission(self, plan: ExecutionPlan, launch_ranks: list[int], alive: list[int],
+                      iteration: int) -> Verdict:
+        """The failure-free plan laid over the grown world (the stayers of `plan` among the
+        launch ranks `alive`, then as many of the others, joiners and spares, as it has places
+        for, lowest first; the rest stay spares), each stayer on the layers it holds; with
+        fewer ranks than that plan, the places nobody takes are absorbed by the strategy as if
+        they had failed."""
+        stayers = [r for r in launch_ranks if r in alive]
+        room = self.target.world_size - len(stayers)
+        grown = stayers + sorted(r for r in alive if r not in launch_ranks)[:room]
         members = [launch_ranks.index(r) if r in launch_ranks else None for r in grown]
         new, lost = overlay(self.target, plan, members)
         profile = self._profile(plan, launch_ranks)   # measured under the plan running now
@@ -128,9 +144,8 @@ class Decider:
             verdict = Verdict(self._forced("rejoin", new, new, set(), profile))
             verdict.decision.members = list(grown)
         if verdict.decision is not None:
-            verdict.decision.scheduler = scheduler
-            verdict.decision.consumed_samples = consumed
-            verdict.decision.joined = [r for r in grown if r not in launch_ranks]
+            verdict.decision.joined = [r for r in verdict.decision.members
+                                       if r not in launch_ranks]
         return verdict
 
     def _place_restart(self, d: Decision, plan: ExecutionPlan, lost: set[int],
@@ -163,9 +178,10 @@ class Decider:
         found = REGISTRY["restart"].propose(plan, lost, self._context(plan, profile))
         return (None if found is None else found.plan), "restart"
 
-    def _context(self, plan: ExecutionPlan, profile: Profile | None) -> Context:
+    def _context(self, plan: ExecutionPlan, profile: Profile | None, spares: int = 0
+                 ) -> Context:
         return Context(None if profile is None else profile.at_tensor_parallel(
-            plan.tensor_parallel), self.eager)
+            plan.tensor_parallel), self.eager, spares)
 
     def _forced(self, strategy: str, new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
                 profile: Profile | None) -> Decision:

@@ -44,8 +44,11 @@ class Decision:
     with tensor parallelism a lost rank's whole group leaves, so the world is not always a
     prefix of the survivors; empty: the first plan.world_size of them).
     `candidates` are the planner's ranked summaries (the metrics file's `recovery.candidates`);
-    `scheduler`, `consumed_samples` and `joined` belong to an admission: the LR schedule's
-    state and the samples count that the joiners take, and the launch ranks admitted."""
+    `joined` are the launch ranks an admission admitted. What a member without state (a joiner,
+    a spare taking a place) takes from the stayers: `scheduler` and `consumed_samples`, the LR
+    schedule's state and the samples count; `pending`, the names of the actions the stayers
+    still run at this iteration boundary (the interrupted one first); `admissions`, the
+    admissions made so far."""
 
     strategy: str
     plan: ExecutionPlan
@@ -57,6 +60,8 @@ class Decision:
     consumed_samples: int | None = None
     joined: list[int] = field(default_factory=list)
     members: list[int] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    admissions: int = 0
 
     @property
     def restarts(self) -> bool:
@@ -69,7 +74,8 @@ class Decision:
                 "switch": None if self.switch is None else self.switch.to_dict(),
                 "candidates": self.candidates, "profile": self.profile,
                 "scheduler": self.scheduler, "consumed_samples": self.consumed_samples,
-                "joined": self.joined, "members": self.members}
+                "joined": self.joined, "members": self.members, "pending": self.pending,
+                "admissions": self.admissions}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
@@ -77,7 +83,8 @@ class Decision:
                    None if d.get("switch") is None else Switch.from_dict(d["switch"]),
                    list(d.get("candidates") or []), d.get("profile"), d.get("scheduler"),
                    d.get("consumed_samples"), [int(r) for r in d.get("joined") or []],
-                   [int(r) for r in d.get("members") or []])
+                   [int(r) for r in d.get("members") or []],
+                   [str(a) for a in d.get("pending") or []], int(d.get("admissions") or 0))
 
 
 @dataclass

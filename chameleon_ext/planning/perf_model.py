@@ -24,6 +24,7 @@ This module imports only the standard library and chameleon_ext: never torch or 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -592,8 +593,17 @@ def predict_homogeneous(plan: ExecutionPlan, profile: Profile) -> Prediction:
 def planned_schedule(plan: ExecutionPlan) -> Schedule:
     """The schedule the executor runs for `plan`, unfused (its fusion leaves the time
     unchanged) and unchecked: both generators are correct by construction, and the schedule
-    that runs is checked when the executor builds it."""
-    return choose_schedule(plan, fuse=False, checked=False)
+    that runs is checked when the executor builds it. Shared, not to be modified: a failure's
+    candidates, a recalibration and a trace's simulation predict the same layouts again and
+    again, and a layout's schedule depends on nothing else (not its generation)."""
+    layout = plan.to_dict()
+    layout["generation"] = 0
+    return _schedule_of(json.dumps(layout, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=512)   # a few MiB at most: large layouts come a few at a time
+def _schedule_of(layout: str) -> Schedule:
+    return choose_schedule(ExecutionPlan.from_json(layout), fuse=False, checked=False)
 
 
 def predict_plan(plan: ExecutionPlan, profile: Profile) -> Prediction:

@@ -4,7 +4,8 @@ Every available strategy proposes its plan over the survivors (chameleon_ext.pla
 (the lost stage's micro-batches to its replicas), takeover (a neighbour stage of the failed
 pipeline absorbs the lost layers, fetched with their optimizer state from a replica),
 reparallelize (pipelines of different depths over every survivor, the micro-batches split by
-their speed), restart (the latest checkpoint onto the
+their speed), substitute (where spares wait: they take the lost places, the layout kept, the
+state from the replicas), restart (the latest checkpoint onto the
 homogeneous plan over the survivors predicted fastest, among every pipeline depth and width, its
 layers split by a dynamic program over contiguous layer ranges so that the stages' predicted
 costs are balanced) and the hybrid reroute+restart (reroute now, and at the next periodic
@@ -209,19 +210,20 @@ def cycle_total(c: Candidate, win: Window) -> float:
 
 
 def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation: Situation,
-               strategies: tuple[str, ...] = STRATEGIES) -> list[Candidate]:
+               strategies: tuple[str, ...] = STRATEGIES, spares: int = 0) -> list[Candidate]:
     """Every strategy's plan over the survivors of `plan` without the ranks `lost` (the
     registry's proposals), predicted, costed over the horizon, cheapest first (infeasible ones
     last). The profile's slow ranks are those of `plan`. The unit is a tensor-parallel group:
     every strategy removes each group with a lost rank whole and numbers the ranks it keeps
     densely in their old order, so a candidate's new rank i is plan.survivors(lost, its world
-    size)[i]."""
+    size)[i]; `spares` ranks wait out of the plan, and a substitute's ranks past those are
+    theirs."""
     if not plan.survivors(lost):
         return []
     lost_ms = situation.failure_free_ms
     hybrid = "reroute+restart" in strategies
     profile = profile.at_tensor_parallel(plan.tensor_parallel)
-    ctx = Context(profile, situation.eager_redundancy)
+    ctx = Context(profile, situation.eager_redundancy, spares)
     after = ctx.after(plan, lost)
     proposed: dict[str, Candidate] = {}
     for name, strategy in REGISTRY.items():
@@ -245,8 +247,10 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
     pace = situation.failure_free_ms or min((c.iteration_ms for c in out if c.feasible),
                                             default=0.0)
     win = window(situation, pace)
-    for c in proposed.values():
-        c.move_back_ms = move_back_ms(c.plan, plan, lost, profile)
+    for name, c in proposed.items():
+        # A substitute runs the old layout already: a rank that comes back becomes a spare.
+        c.move_back_ms = 0.0 if name == "substitute" else move_back_ms(c.plan, plan, lost,
+                                                                        profile)
         c.next_failure_ms = next_failure_ms(c.plan, c.iteration_ms, profile, situation,
                                             win.iterations)
     for c in out:

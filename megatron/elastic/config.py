@@ -14,7 +14,8 @@ from typing import Literal
 from chameleon_ext.control.faults import FaultSpec
 from megatron.elastic.emulation import STORAGE_MIB_PER_S
 
-Strategy = Literal["auto", "reroute", "takeover", "reparallelize", "restart", "reroute+restart"]
+Strategy = Literal["auto", "reroute", "takeover", "reparallelize", "restart", "reroute+restart",
+                   "substitute"]
 Redundancy = Literal["none", "eager"]
 Executor = Literal["ir", "megatron-core"]
 

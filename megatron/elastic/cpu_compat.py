@@ -30,10 +30,23 @@ transformer.moe.router                          the router's weight moved to
                                                 ``torch.cuda.current_device()`` (--num-experts)
 transformer.moe.moe_utils                       the aux-loss tracker's ``torch.zeros(...,
                                                 device="cuda")``
+tensor_parallel.mappings                        sequence parallelism's gathers and reduce-scatters
+                                                build on ``torch.cuda.current_device()``
+tensor_parallel.layers                          and so does a linear layer's backward gather of
+                                                its input under sequence parallelism
 tensor_parallel.random                          the RNG tracker keeps CUDA generator states; here
                                                 the "cuda" generator is the CPU default generator,
                                                 and its fork() warning about the CPU state changing
                                                 (always true when both are the CPU) is filtered
+distributed.distributed_data_parallel           ``torch.cuda.Stream`` for the inter-instance
+                                                all-reduce (--num-distributed-optimizer-instances);
+                                                streams, ``torch.cuda.stream`` and ``wait_stream``
+                                                are no-ops here (a CPU process runs its ops in order)
+optimizer.distrib_optimizer                     accepts only parameters whose ``type()`` is
+                                                ``torch.cuda.FloatTensor`` (or Half/BFloat16):
+                                                while it builds its shards, each CPU parameter
+                                                answers ``type()`` with its CUDA name (not a
+                                                module patch: its ``torch`` stays torch)
 =============================================  ===================================================
 
 ``LanguageModule.setup_embeddings_and_output_layer`` also calls ``.cuda()`` when a model is built
@@ -43,6 +56,7 @@ per-stage config of pipeline size 1 (megatron.elastic.stage_model), so that path
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import types
@@ -62,6 +76,9 @@ PATCHED_MODULES = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.distributed.distributed_data_parallel",
 )
 
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor")
@@ -85,12 +102,26 @@ def _on_cpu(fn):
     return factory
 
 
+class _NoStream:
+    """A CUDA stream on the CPU: a process's ops already run in the order it issues them."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+_NO_STREAM = _NoStream()
+
+
 class _CpuCuda(types.SimpleNamespace):
     """What megatron-core asks of ``torch.cuda``, answered for the CPU."""
 
     def __init__(self) -> None:
         super().__init__(
             current_device=lambda: "cpu",
+            Stream=lambda *a, **k: _NO_STREAM,
+            stream=lambda s: contextlib.nullcontext(),
+            default_stream=lambda *a, **k: _NO_STREAM,
+            current_stream=lambda *a, **k: _NO_STREAM,
             synchronize=lambda *a, **k: None,
             is_available=lambda: False,
             empty_cache=lambda: None,
@@ -125,6 +156,26 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
+
+
+def _cuda_typed(build: classmethod) -> classmethod:
+    """``DistributedOptimizer._build_model_and_main_param_groups`` sorting CPU parameters as it
+    sorts CUDA ones: during the call each parameter's ``type()`` answers with the CUDA name
+    (an instance attribute over the method, removed afterwards; the tensors are untouched)."""
+    original = build.__func__
+
+    def wrapped(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
+        params = [p for group in opt_group_ranges for p in group["params"]
+                  if p.device.type == "cpu" and "type" not in vars(p)]
+        for p in params:
+            p.type = lambda *a, _name=p.type().replace("torch.", "torch.cuda.", 1), **k: _name
+        try:
+            return original(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        finally:
+            for p in params:
+                del p.type
+    wrapped.__wrapped__ = original  # megatron-core's own (tests call it)
+    return classmethod(wrapped)
 
 
 class _DropCpuRngWarning(logging.Filter):
@@ -166,6 +217,9 @@ def apply() -> None:
         importlib.import_module(name).torch = proxy
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    distrib.DistributedOptimizer._build_model_and_main_param_groups = _cuda_typed(
+        vars(distrib.DistributedOptimizer)["_build_model_and_main_param_groups"])
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = _get_rng_state
     random._set_cuda_rng_state = _set_rng_state

@@ -16,9 +16,17 @@ an admission of rejoining ranks all go through:
 
 A failure at any point of it abandons that generation: everyone agrees again one generation up,
 with whoever is left, as many times as needed. Every wait is bounded
-(megatron.elastic.config's `Timeouts`), and a survivor that the chosen plan leaves out stays a
-spare until the new world is committed (it joins a retry if there is one). The caller's state
-is captured once, before the first attempt, and entered afresh by every attempt.
+(megatron.elastic.config's `Timeouts`). The caller's state is captured once, before the first
+attempt, and entered afresh by every attempt.
+
+A rank the chosen plan leaves out (a restart onto fewer, a lost rank's tensor-parallel
+siblings, a joiner with no place) joins a retry if there is one; once the new world is
+committed it is a *spare* (`Spare` is raised to the caller, which drops its state): alive,
+heartbeating, out of the world, known to every member (`spares`: the agreement's alive ranks
+less the plan's members). It waits in `stand_by` and takes part, without state like a joiner,
+in the next transition the members open (they list their spares among its candidates), where
+the leader may give it a place (a `substitute` for a lost rank, a place of an admission); it
+leaves (NotNeeded, exit 0) only once the job trained its last iteration.
 
 The failure path, file by file, in the one direction it runs:
 
@@ -87,7 +95,12 @@ class PeerFailed(RuntimeError):
 
 
 class NotNeeded(RuntimeError):
-    """The new plan has no place for this rank (a restart plan smaller than the survivors)."""
+    """This rank leaves the job: it trained its last iteration as a spare, or a planned leave."""
+
+
+class Spare(Exception):
+    """The committed plan has no place for this rank: it drops its state and stands by (not a
+    RuntimeError, so that nothing on the way up takes it for a failed operation)."""
 
 
 @dataclass
@@ -110,15 +123,24 @@ class PlannedSwitch:
 
 @dataclass
 class Admission:
-    """The joiners of the due admission, after `iteration`; `scheduler` and `consumed`: the LR
-    schedule's state and the samples count they take."""
+    """The joiners of the due admission, after `iteration`."""
 
     iteration: int
-    scheduler: dict
-    consumed: int
 
 
 Trigger = Failure | PlannedSwitch | Admission
+
+
+@dataclass
+class Handover:
+    """What a rank entering without state (a joiner, a spare given a place) takes from the
+    stayers, as of their last applied step: the LR schedule's state, the samples count, and
+    the names of the actions they still run at this iteration boundary (the interrupted one
+    first). JSON, in the published decision."""
+
+    scheduler: dict
+    consumed: int
+    pending: list[str]
 
 
 @dataclass
@@ -150,6 +172,7 @@ class Transition:
     first_notice: float               # time.time() it was first noticed, or the transition began
     old_generation: int
     attempts: int                     # generations tried (1 when nothing failed meanwhile)
+    spares: list[int]                 # launch ranks alive out of the new world
 
     @property
     def plan(self) -> ExecutionPlan:
@@ -181,6 +204,7 @@ class ElasticManager:
         self.applied = 0                # the last iteration whose step this rank applied
         self.admissions = 0             # admissions of joiners so far (membership key layout)
         self.admitted: set[int] = set()
+        self.spares: list[int] = []     # launch ranks alive out of the committed world
         self.peer_failed = threading.Event()
         self.placeholders: list = []    # a drain's sends, kept until their group is gone
         self._alive_lock = threading.Lock()  # no stale failure may flag the next generation
@@ -234,6 +258,8 @@ class ElasticManager:
         (its own store connection) lets it stop at the next op instead."""
         members = Membership.from_env(connect_store(), self.config.timeouts.heartbeat_s)
         while not self._stopping.wait(interval_s):
+            if self.applied is None:    # a spare or a joiner: no step of its own to stop
+                continue
             try:
                 failed = members.failure_log.failures()
             except (RuntimeError, OSError):  # the store is going away with the job
@@ -312,18 +338,21 @@ class ElasticManager:
         self.members.admissions.mark_trained(iteration)
 
     # ---- the reconfiguration transaction -----------------------------------------------------
-    def reconfigure(self, trigger: Trigger, plan: ExecutionPlan, enter: Enter) -> Transition:
+    def reconfigure(self, trigger: Trigger, plan: ExecutionPlan, enter: Enter,
+                    handover: Handover) -> Transition:
         """Move the job from `plan` (the committed world's) to the plan the leader chooses for
         `trigger`, retrying one generation up whenever a rank is lost meanwhile; `enter` builds
-        this rank's part of each attempt's world (see `Enter`). Raises Unrecoverable, NotNeeded
-        (this rank leaves: the committed plan has no place for it) or MembershipError."""
+        this rank's part of each attempt's world (see `Enter`); `handover` is what the ranks
+        that enter without state take. Raises Unrecoverable, Spare (the committed plan has no
+        place for this rank) or MembershipError."""
         if isinstance(trigger, Failure):
             first_notice = self.members.agreements.notice(self.generation + 1, trigger.noticed)
             iteration = trigger.iteration
         else:
             first_notice = time.time()
             iteration = self.applied
-        candidates = list(self.alive)
+        # The spares wait for this agreement: they are candidates like the members.
+        candidates = sorted(set(self.alive) | set(self.spares))
         if isinstance(trigger, Admission):
             record = self.members.admissions.admission(self.admissions)
             candidates = sorted(set(candidates) | set(record["joiners"]))
@@ -336,12 +365,19 @@ class ElasticManager:
 
         def decide(ag: Agreement) -> Verdict:
             lost = {i for i, r in enumerate(self.alive) if r not in ag.alive}
+            spares = [r for r in ag.alive if r not in self.alive]
             if isinstance(trigger, Admission):
-                return self.decider.for_admission(plan, self.alive, ag.alive, iteration,
-                                                  trigger.scheduler, trigger.consumed)
-            if isinstance(trigger, PlannedSwitch):
-                return self.decider.for_switch(trigger.switch, plan, self.alive, lost, iteration)
-            return self.decider.after_failure(plan, self.alive, lost, iteration)
+                verdict = self.decider.for_admission(plan, self.alive, ag.alive, iteration)
+            elif isinstance(trigger, PlannedSwitch):
+                verdict = self.decider.for_switch(trigger.switch, plan, self.alive, lost,
+                                                  iteration, spares)
+            else:
+                verdict = self.decider.after_failure(plan, self.alive, lost, iteration, spares)
+            if verdict.decision is not None:
+                d = verdict.decision
+                d.scheduler, d.consumed_samples = handover.scheduler, handover.consumed
+                d.pending, d.admissions = list(handover.pending), self.admissions
+            return verdict
 
         return self._transact(self.generation + 1, candidates, decide, enter, iteration,
                               first_notice)
@@ -368,6 +404,52 @@ class ElasticManager:
         return self._transact(admit["generation"], admit["candidates"], decide, enter, 0,
                               time.time())
 
+    def stand_by(self, enter: Enter) -> Transition:
+        """A spare (it dropped its state): wait, heartbeating, for the members to open the next
+        generation (a failure, a switch, an admission), then take part in it without state, like
+        a joiner (`enter` builds a world from the stayers' state alone). Returns the transition
+        that gave this rank a place; raises Spare when it gave none, NotNeeded once the job
+        trained its last iteration, Unrecoverable or MembershipError."""
+        generation = self.generation + 1
+        members = list(self.alive)
+        self.applied = None     # nothing held: the stayers' steps are the truth
+        phase = f"spare after generation {self.generation}"
+
+        def look() -> str | None:
+            opened = self.members.agreements.opened(generation)
+            # After `opened`: the end is marked before any transition of the final actions,
+            # which a spare never enters.
+            if self.members.admissions.trained():
+                return "trained"
+            if opened:
+                return "opened"
+            # Every member gone with nobody to open the generation: the spares open it, and
+            # the agreement's leader says that nobody holds the state.
+            return "opened" if len(self.members.failure_log.gone(members)) == len(members) \
+                else None
+
+        # The wait lasts as long as the job, which always ends it: the lead marks the end,
+        # a failure or an admission opens a generation, or the agents report every member
+        # gone. It goes in rounds of one heartbeat timeout, each a bump of this rank's progress
+        # (its main thread lives); the phase waits on nobody and has no allowance (0), so it
+        # is never a hang, nor a hang's victim that would make a slow member look hung.
+        found = None
+        while found is None:
+            self.tick(0, phase, waiting=False, allow_s=0.0)
+            found = poll(look, self.config.timeouts.heartbeat_s, 0.05, grow=1.5,
+                         max_interval_s=0.5)
+        if found == "trained":
+            raise NotNeeded(f"the job trained its last iteration while launch rank "
+                            f"{self.launch_rank} stood by as a spare")
+
+        def decide(ag: Agreement) -> Verdict:
+            # A spare leads only when no rank holding state arrived.
+            return Verdict(unrecoverable="every rank holding the model's state was lost while "
+                                         "spares stood by")
+
+        return self._transact(generation, sorted(set(members) | set(self.spares)), decide,
+                              enter, 0, time.time())
+
     def _transact(self, generation: int, candidates: list[int],
                   decide: Callable[[Agreement], Verdict], enter: Enter,
                   iteration: int, first_notice: float) -> Transition:
@@ -389,14 +471,15 @@ class ElasticManager:
                 continue
             participants = decision.members or ag.alive[:decision.plan.world_size]
             if self.launch_rank not in participants:
-                # A spare: it leaves once the new world holds the state, or joins a retry.
-                self.tick(iteration, f"spare in generation {ag.generation}", waiting=True)
+                # Out of the plan: a spare once the new world holds the state, or in a retry.
+                self.tick(iteration, f"out of generation {ag.generation}", waiting=True)
                 retry = self.members.generations.outcome(ag.generation,
                                                          self.config.timeouts.agree_s)
                 if retry is None:
-                    raise NotNeeded(f"the {decision.strategy} plan uses {len(participants)} of "
-                                    f"the survivors; launch rank {self.launch_rank} is not "
-                                    "among them")
+                    self._committed(ag, participants)
+                    raise Spare(f"the {decision.strategy} plan uses {len(participants)} of the "
+                                f"{len(ag.alive)} ranks alive; launch rank {self.launch_rank} "
+                                "is a spare")
                 generation, candidates = retry, ag.alive
                 continue
             try:
@@ -427,9 +510,12 @@ class ElasticManager:
             break
         if rank == 0:
             self.members.generations.committed(ag.generation)
-        with self._alive_lock:
-            self.generation, self.alive = ag.generation, participants
-            self.peer_failed.clear()
+        newcomer = self.applied is None
+        self._committed(ag, participants)
+        if newcomer:    # the stayers' count, and whom they admitted, from the admissions made
+            self.admissions = decision.admissions
+            self.admitted = {r for n in range(self.admissions)
+                             for r in self.members.admissions.admission(n)["joiners"]}
         self.applied = entered.applied
         failed = [r for r in committed_alive if r not in ag.alive]
         records = self.members.failure_log.failures()
@@ -440,7 +526,15 @@ class ElasticManager:
         return Transition(decision, rank, entered, failed,
                           {r: causes.get(r, "failed") for r in failed},
                           1e3 * max(detect) if detect else None, first_notice, old_generation,
-                          attempts)
+                          attempts, list(self.spares))
+
+    def _committed(self, ag: Agreement, participants: list[int]) -> None:
+        """Generation `ag.generation`'s world, of `participants`, holds the state: every rank of
+        the agreement, member or spare, knows the same world and the same spares."""
+        with self._alive_lock:
+            self.generation, self.alive = ag.generation, participants
+            self.peer_failed.clear()
+        self.spares = [r for r in ag.alive if r not in participants]
 
     def _verdict(self, ag: Agreement,
                  decide: Callable[[Agreement], Verdict]) -> Decision | None:

@@ -37,6 +37,8 @@ class MegatronCoreExecutor(Executor):
         self._samples = 0
         mbs = rt.plan.pipeline_of(rt.rank).micro_batches
         seq, mbsize, _ = rt.activation_shape
+        if rt.module.config.sequence_parallel:
+            seq *= rt.plan.tensor_parallel  # megatron-core's schedule divides it by TP itself
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)

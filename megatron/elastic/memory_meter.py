@@ -94,11 +94,16 @@ class MemoryMeter:
                 "head": self.saved["head"] / n}
 
 
+def optimizer_bytes(optimizers) -> int:
+    """The torch optimizers' state (Adam's moments): with the distributed optimizer, only this
+    rank's shards."""
+    return sum(v.numel() * v.element_size() for opt in optimizers for s in opt.state.values()
+               for v in s.values() if isinstance(v, torch.Tensor))
+
+
 def state_bytes(module: torch.nn.Module, optimizers) -> int:
     """Parameters, their gradient buffers (megatron-core DDP's main_grad) and optimizer state."""
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     grads = sum(getattr(p, "main_grad", None).numel() * p.main_grad.element_size()
                 for p in module.parameters() if getattr(p, "main_grad", None) is not None)
-    state = sum(v.numel() * v.element_size() for opt in optimizers for s in opt.state.values()
-                for v in s.values() if isinstance(v, torch.Tensor))
-    return params + grads + state
+    return params + grads + optimizer_bytes(optimizers)

@@ -15,6 +15,12 @@ instead (the ranks holding each segment of layers, the first stages, the last st
 holders of either copy of the tied embedding). Aligned plans (homogeneous, uneven, rerouted)
 keep the replica and embedding groups above, unchanged.
 
+The distributed optimizer (--use-distributed-optimizer) shards its state over a stage's
+replica group; with N instances (--num-distributed-optimizer-instances) the replica group is cut
+as megatron-core's initialize_model_parallel cuts it: N consecutive chunks, each sharding the
+state once (intra_dp), and the ranks at the same place of every chunk, which all-reduce their
+shards (inter_dp).
+
 Every rank creates every group, in the same order, as torch.distributed.new_group requires.
 """
 
@@ -53,6 +59,12 @@ class RankGroups:
     misaligned: bool = False
     grad_groups: list[tuple["ReductionGroup", dist.ProcessGroup | None]] = field(
         default_factory=list)
+    # The distributed optimizer's groups: dp itself with one instance; else this rank's chunk
+    # of dp, the same place in every chunk, and every rank of this rank's instance.
+    intra_dp: dist.ProcessGroup | None = None
+    inter_dp: dist.ProcessGroup | None = None
+    instance: dist.ProcessGroup | None = None
+    instance_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,23 @@ def _own_stages(p) -> list:
     return [st for st in p.stages if st.ranks]
 
 
-def _layout(plan: ExecutionPlan, rank: int) -> dict[str, list[int]]:
+def instance_groups(dp: list[int], rank: int, instances: int) -> tuple[list[int], list[int]]:
+    """`rank`'s distributed-optimizer groups within its replica group `dp`: its chunk of
+    `instances` consecutive chunks (intra) and the ranks at its place in every chunk (inter)."""
+    if len(dp) % instances:
+        raise ValueError(f"{instances} distributed-optimizer instances do not divide the "
+                         f"replica group {dp}")
+    size = len(dp) // instances
+    i = dp.index(rank)
+    return dp[i // size * size:(i // size + 1) * size], dp[i % size::size]
+
+
+def _instance_of(plan: ExecutionPlan, rank: int, instances: int) -> int:
+    dp = plan.replicas(rank)
+    return dp.index(rank) // (len(dp) // instances)
+
+
+def _layout(plan: ExecutionPlan, rank: int, instances: int = 1) -> dict[str, list[int]]:
     """The rank lists of `rank`'s groups.
 
     Gradient norms are summed over the whole world with one representative per replica group
@@ -82,16 +110,28 @@ def _layout(plan: ExecutionPlan, rank: int) -> dict[str, list[int]]:
     stage = pipe.stages[pos.stage]
     t = pos.tp_rank
     if plan.misaligned_stages() is not None:
+        if instances > 1:
+            raise ValueError("distributed-optimizer instances need whole-stage replicas; "
+                             "this plan's pipelines split the layers differently")
         # DDP reduces over this rank alone; grad_reduction sums over reduction_groups().
         return {"tp": list(stage.ranks), "pp": [st.ranks[t] for st in _own_stages(pipe)],
                 "mp": plan.ranks, "dp": [rank], "tp_dp": list(stage.ranks), "embd": [],
                 "single": [rank]}
     embd = next((g for g in embedding_groups(plan, t) if rank in g), [])
+    dp = plan.replicas(rank)
+    sharding = {}
+    if instances > 1:
+        intra, inter = instance_groups(dp, rank, instances)
+        mine = _instance_of(plan, rank, instances)
+        sharding = {"intra_dp": intra, "inter_dp": inter,
+                    "instance": [r for r in plan.ranks
+                                 if _instance_of(plan, r, instances) == mine]}
     return {
+        **sharding,
         "tp": list(stage.ranks),
         "pp": [st.ranks[t] for st in _own_stages(pipe)],
         "mp": plan.ranks,
-        "dp": plan.replicas(rank),
+        "dp": dp,
         "tp_dp": sorted(r for p in plan.pipelines for st in _own_stages(p)
                         if (st.layer_start, st.layer_end) == (stage.layer_start, stage.layer_end)
                         for r in st.ranks),
@@ -142,12 +182,12 @@ def embedding_contributor(plan: ExecutionPlan, rank: int, group: list[int]) -> b
     return rank in (min(firsts, default=None), min(lasts, default=None))
 
 
-def _group_rank_lists(plan: ExecutionPlan) -> list[tuple[int, ...]]:
+def _group_rank_lists(plan: ExecutionPlan, instances: int = 1) -> list[tuple[int, ...]]:
     """Every distinct group of the plan, in one deterministic order (the same on every rank)."""
     seen: set[tuple[int, ...]] = set()
     out: list[tuple[int, ...]] = []
     for r in plan.ranks:
-        for ranks in _layout(plan, r).values():
+        for ranks in _layout(plan, r, instances).values():
             g = tuple(ranks)
             if g and g not in seen:
                 seen.add(g)
@@ -175,20 +215,20 @@ def bound_operations(group: dist.ProcessGroup, timeout: timedelta) -> None:
 
 
 def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None,
-                 rendezvous: timedelta | None = None) -> RankGroups:
+                 rendezvous: timedelta | None = None, instances: int = 1) -> RankGroups:
     """Create all groups of `plan` (collective over the current world) and return `rank`'s:
     their creation waits at most `rendezvous`, their operations `timeout` (None: torch's
-    default for both)."""
+    default for both); `instances`: of the distributed optimizer."""
     # A group's rendezvous waits for every member to create it; on a loaded host one may lag
     # the others by seconds, so the connect never gets less than an operation.
     connect = None if timeout is None else max(timeout, rendezvous or timeout)
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for ranks in _group_rank_lists(plan):
+    for ranks in _group_rank_lists(plan, instances):
         g = dist.new_group(list(ranks), timeout=connect)
         if timeout is not None and rank in ranks:
             bound_operations(g, timeout)
         groups[ranks] = g
-    mine = _layout(plan, rank)
+    mine = _layout(plan, rank, instances)
     embd = mine["embd"]
     misaligned = plan.misaligned_stages() is not None
     t = plan.position(rank).tp_rank
@@ -204,6 +244,10 @@ def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = Non
         representative=rank == mine["dp"][0],
         embedding_contributor=bool(embd) and embedding_contributor(plan, rank, embd),
         misaligned=misaligned, grad_groups=grad_groups,
+        intra_dp=groups[tuple(mine.get("intra_dp", mine["dp"]))],
+        inter_dp=groups[tuple(mine["inter_dp"])] if "inter_dp" in mine else None,
+        instance=groups[tuple(mine.get("instance", mine["mp"]))],
+        instance_id=mine["inter_dp"].index(rank) if "inter_dp" in mine else 0,
     )
 
 
@@ -211,11 +255,17 @@ def collection(g: RankGroups) -> ProcessGroupCollection:
     """`g` as megatron-core takes groups: GPTModel, DistributedDataParallel,
     get_megatron_optimizer and the pipeline schedules read every group from it. A plan has no
     context or expert parallelism: those groups are this rank alone, or the groups they
-    coincide with at size 1 (as megatron-core's own initialize_model_parallel makes them)."""
-    return ProcessGroupCollection(
+    coincide with at size 1 (as megatron-core's own initialize_model_parallel makes them).
+    The distributed optimizer's: intra_dp_cp shards its state, inter_dist_opt (with several
+    instances) all-reduces the shards, intra_dist_opt is the instance's ranks."""
+    pgs = ProcessGroupCollection(
         tp=g.tp, pp=g.pp, mp=g.mp, embd=g.embd, pos_embd=g.pos_embd, cp=g.single, tp_cp=g.tp,
-        dp=g.dp, dp_cp=g.dp, intra_dp_cp=g.dp, tp_dp_cp=g.tp_dp, ep=g.single, expt_tp=g.tp,
-        tp_ep=g.tp, tp_ep_pp=g.mp, expt_dp=g.dp, intra_expt_dp=g.dp)
+        dp=g.dp, dp_cp=g.dp, intra_dp_cp=g.intra_dp, tp_dp_cp=g.tp_dp, ep=g.single,
+        expt_tp=g.tp, tp_ep=g.tp, tp_ep_pp=g.mp, expt_dp=g.dp, intra_expt_dp=g.intra_dp,
+        intra_dist_opt=g.instance)
+    if g.inter_dp is not None:
+        pgs.inter_dist_opt = g.inter_dp
+    return pgs
 
 
 def install(g: RankGroups) -> None:
@@ -237,10 +287,10 @@ def install(g: RankGroups) -> None:
 
 
 def initialize(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None,
-               rendezvous: timedelta | None = None) -> RankGroups:
+               rendezvous: timedelta | None = None, instances: int = 1) -> RankGroups:
     """The plan's groups, created within `rendezvous`, whose operations wait at most
-    `timeout`."""
-    g = build_groups(plan, rank, timeout, rendezvous)
+    `timeout`; `instances`: of the distributed optimizer."""
+    g = build_groups(plan, rank, timeout, rendezvous, instances)
     install(g)
     return g
 

@@ -44,6 +44,17 @@ class SchedulerSettings:
     weight_decay: float
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """How a stage's replicas reduce gradients and hold the optimizer state: megatron-core's
+    DistributedDataParallelConfig and DistributedOptimizer, from Megatron-LM's flags."""
+
+    distributed_optimizer: bool = False  # --use-distributed-optimizer: state sharded over replicas
+    instances: int = 1                   # --num-distributed-optimizer-instances (each shards once)
+    overlap_grad_reduce: bool = False    # --overlap-grad-reduce: reduced in the backward's hooks
+    overlap_param_gather: bool = False   # --overlap-param-gather: gathered in the next forward
+
+
 @dataclass
 class Built:
     runtime: StageRuntime
@@ -80,6 +91,7 @@ class RuntimeSpec:
     emulation: Emulation | None = None  # each runtime's ops padded to its emulated device
     every_stage_reads: bool = False    # the batch carries an attention mask every layer needs
     grad_reduce_in_fp32: bool = True   # not --grad-reduce-in-bf16
+    data_parallel: DataParallel = DataParallel()
 
 
 def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
@@ -93,7 +105,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     timeout, timers = spec.timeout, spec.timers
     schedule = choose_schedule(plan)
     split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
-    groups = parallel_state.initialize(plan, rank, timeout, spec.rendezvous)
+    sharding = spec.data_parallel
+    groups = parallel_state.initialize(plan, rank, timeout, spec.rendezvous, sharding.instances)
     stage = plan.stage_of(rank)
     pos = plan.position(rank)
     first, last = plan.is_first_stage(rank), plan.is_last_stage(rank)
@@ -112,25 +125,44 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         # flag so that it counts once in the world's grad norm).
         reduction = grad_reduction.GradReduction.build(plan, rank, module, groups.grad_groups,
                                                        tied_embeddings)
+    elif sharding.distributed_optimizer:
+        # Each replica steps (and counts in the grad norm) its own shard; with several
+        # instances each shard is held once per instance, and the first instance counts it.
+        for p in module.parameters():
+            p.shared = groups.instance_id > 0
     elif not groups.representative:
         for p in module.parameters():
             p.shared = True  # a replica's twin counts these in the global grad norm
     tied = stage_model.mark_tied_output(module)
     if tied is None and first and not last and tied_embeddings:
         tied = module.embedding.word_embeddings.weight
+        # Its own DDP bucket, as the last stage's copy has: the distributed optimizer then
+        # shards both copies alike, so the embedding all-reduce after the reduce-scatter
+        # sums matching shards (megatron-core's LanguageModule marks it so under pipelining).
+        tied.shared_embedding = True
     seeder = None
     if config.hidden_dropout > 0 or config.attention_dropout > 0:
         seeder = stage_model.DropoutSeeder(seed)
-        seeder.attach(module, stage.layer_start, first, pos.tp_rank)
+        seeder.attach(module, stage.layer_start, first, pos.tp_rank, plan.tensor_parallel,
+                      config.sequence_parallel)
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=spec.grad_reduce_in_fp32,
-                                               overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
+    if split and sharding.overlap_grad_reduce:
+        # Deferred weight gradients bypass DDP's hooks, which launch the overlapped reduction.
+        raise ValueError("--overlap-grad-reduce needs whole backwards; this plan's schedule "
+                         "splits them")
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=spec.grad_reduce_in_fp32,
+        overlap_grad_reduce=sharding.overlap_grad_reduce,
+        use_distributed_optimizer=sharding.distributed_optimizer,
+        num_distributed_optimizer_instances=sharding.instances,
+        overlap_param_gather=sharding.overlap_param_gather)
     store = wgrad.install(module) if split else None
     model = DistributedDataParallel(cfg, ddp_config, module, pg_collection=pgs)
-    # megatron-core's gloo groups serve only the distributed optimizer, which is not used here
-    optimizer = get_megatron_optimizer(spec.optimizer_config, [model],
-                                       use_gloo_process_groups=False, pg_collection=pgs)
+    # megatron-core's gloo groups serve only its own checkpoint formats of the distributed
+    # optimizer's state (checkpointing.py gathers that state itself)
+    optimizer = get_megatron_optimizer(
+        replace(spec.optimizer_config, use_distributed_optimizer=sharding.distributed_optimizer),
+        [model], use_gloo_process_groups=False, pg_collection=pgs)
     sched = spec.sched
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if sched.warmup_samples else sched.lr, max_lr=sched.lr,
@@ -141,13 +173,18 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
 
     if config.num_moe_experts:
         # The router's aux loss enters each micro-batch's backward at this scale; the main loss
-        # is the mean over the global batch's micro-batches (Executor._fwd), so is this.
-        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / plan.num_micro_batches)
+        # is the mean over the global batch's micro-batches (Executor._fwd), so is this. Under
+        # sequence parallelism megatron-core weighs each rank's part of the aux loss by the
+        # rank's own tokens (calculate_per_token_loss), 1/tp of the sequence: tp makes it whole.
+        shards = plan.tensor_parallel if config.sequence_parallel else 1
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) * shards / plan.num_micro_batches)
     rt = StageRuntime(
         rank=rank, plan=plan, model=model, module=module, optimizer=optimizer,
         scheduler=scheduler, get_batch=spec.get_batch, forward_step=spec.forward_step,
         loss_func=spec.loss_func,
-        activation_shape=(spec.seq_length, plan.micro_batch_size, config.hidden_size),
+        # under sequence parallelism a stage sends its rows of the sequence, [s/tp, b, h]
+        activation_shape=(spec.seq_length // (plan.tensor_parallel if config.sequence_parallel
+                                              else 1), plan.micro_batch_size, config.hidden_size),
         activation_dtype=config.params_dtype,
         embedding_group=groups.embd if tied is not None else None, tied_weight=tied,
         embedding_contributor=groups.embedding_contributor,

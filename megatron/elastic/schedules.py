@@ -20,6 +20,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed.finalize_model_grads import (
+    _allreduce_non_tensor_model_parallel_grads,
+)
 
 from chameleon_ext.comm import packed as comm
 from chameleon_ext.plan.execution_plan import ExecutionPlan
@@ -153,6 +156,7 @@ class Executor:
         self._position = 0
         self._started = False  # whether the op at _position began (before_op may refuse it)
         self._grads_synced = False
+        self._tp_sum_began = False
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=_device())
         self._samples = 0  # delivered to this rank's first-stage forwards in this iteration
 
@@ -267,6 +271,7 @@ class Executor:
                                 else rt.plan.replicas(rt.rank))
         embd_ok = rt.embedding_group is not None and \
             not lost & set(dist.get_process_group_ranks(rt.embedding_group))
+        tp_ok = not lost & set(dist.get_process_group_ranks(rt.module.pg_collection.tp))
         failed_op = ops[self._position] if self._started else None
         reduce_op = failed_op is not None and failed_op.kind is OpKind.REDUCE_GRADS
         for op in ops[self._position + (1 if self._started and not reduce_op else 0):]:
@@ -290,6 +295,8 @@ class Executor:
                                                 and self._grads_synced)
                     elif embd_ok and not (op is failed_op and self._grads_synced):
                         self._reduce_embedding()
+                    if tp_ok and not (op is failed_op and self._tp_sum_began):
+                        self._sum_over_tensor_parallel()
             except RuntimeError:
                 continue
         # Not waited for: a receiver still blocked gets either its placeholder or, once this
@@ -434,13 +441,15 @@ class Executor:
         self._send(self._in_grads.pop(op.microbatch), op)
 
     def _reduce_grads(self, op: Op, iteration: int) -> None:
-        self._grads_synced = False
+        self._grads_synced = self._tp_sum_began = False
         self.rt.model.finish_grad_sync()
         self._grads_synced = True
         if self.rt.grad_reduction is not None:
             self.rt.grad_reduction.run()  # misaligned plan: sums per segment, in global order
         else:
             self._reduce_embedding()
+        self._tp_sum_began = True
+        self._sum_over_tensor_parallel()
         if self.rt.emulation:
             self.rt.emulation.reduced()
 
@@ -453,6 +462,14 @@ class Executor:
             if not rt.embedding_contributor:
                 grad.zero_()
             dist.all_reduce(grad, group=rt.embedding_group)
+
+    def _sum_over_tensor_parallel(self) -> None:
+        # megatron-core's finalize_model_grads step that DDP lacks: the parameters every TP rank
+        # holds whole but computes from part of the data (under sequence parallelism the norms,
+        # row-parallel biases and MoE routers see this rank's rows; q/k norms this rank's heads)
+        # get the sum over the TP group, so that every rank steps them alike.
+        _allreduce_non_tensor_model_parallel_grads([self.rt.model], self.rt.module.config,
+                                                   self.rt.module.pg_collection.tp)
 
     def _apply_step(self, grad_norm: float) -> tuple:
         began = time.perf_counter()

@@ -16,11 +16,14 @@ heterogeneous splits. Two things make every layout compute the same function:
   order it runs. Hidden and embedding dropout act on tensors that every tensor-parallel rank
   holds whole, so they need nothing more; attention dropout acts on this rank's heads only, and
   draws each head's mask from its own generator (HeadDropout), so the masks do not depend on the
-  tensor-parallel size either.
+  tensor-parallel size either. Under sequence parallelism hidden and embedding dropout act on this
+  rank's rows of the sequence: each takes its rows of the whole sequence's mask
+  (SequenceShardDropout).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import math
@@ -30,8 +33,12 @@ from typing import Callable
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import layers
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
 from chameleon_ext.plan.execution_plan import Stage
 
@@ -118,6 +125,76 @@ class HeadDropout(torch.nn.Module):
         return probs * keep.div_(1.0 - self.p)
 
 
+class SequenceShardDropout(torch.nn.Module):
+    """Dropout of a tensor of which this rank holds rows [r * s, (r + 1) * s) of the sequence
+    (sequence parallelism): the mask is drawn for the whole sequence, as one rank without
+    sequence parallelism draws it (torch's dropout: a bernoulli over a tensor of the input's
+    shape), and this rank keeps its rows. megatron-core draws a mask of the shard's shape, one
+    pattern on every rank, so a token's mask depended on the tensor-parallel size."""
+
+    def __init__(self, p: float, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.p, self.tp_rank, self.tp_size = p, tp_rank, tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x, self.p, self.training)
+
+    def drop(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+        if not training or p == 0.0:
+            return x
+        s = x.shape[0]
+        keep = torch.empty((s * self.tp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        keep = keep.bernoulli_(1.0 - p)[self.tp_rank * s:(self.tp_rank + 1) * s]
+        return x * keep.div_(1.0 - p)
+
+    def bias_dropout_add(self, training: bool, fused: bool) -> Callable:
+        """A transformer layer's self_attn_bda / mlp_bda: megatron-core's bias-dropout-add of the
+        tensor dropped with this mask (unfused: the mask is not a fused kernel's)."""
+        add = get_bias_dropout_add(training, False)
+
+        def apply(x_with_bias: tuple, residual: torch.Tensor, prob: float) -> torch.Tensor:
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            return add((self.drop(x, prob, training), None), residual, 0.0)
+        return apply
+
+
+class SequenceParallelNorm:
+    """megatron-core's torch LayerNorm / RMSNorm (WrappedTorchNorm) in a sequence-parallel model,
+    which it refuses because nothing marks the norm's parameters there: each rank normalises its
+    rows of the sequence, so their gradients are partial sums, which finalize_model_grads (and
+    the executor) add over the TP group for parameters marked `sequence_parallel`, as TENorm
+    marks its own. A q/k norm's gradient is partial over this rank's heads: summed the same."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                **kwargs) -> torch.nn.Module:
+        unmarked = copy.copy(config)
+        unmarked.sequence_parallel = False  # read by WrappedTorchNorm's check only
+        norm = WrappedTorchNorm(unmarked, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+def sequence_parallel_block(layer: ModuleSpec, num_layers: int) -> TransformerBlockSubmodules:
+    """A block of `num_layers` layers of spec `layer` whose torch norms (the layers' and the
+    block's final one) are SequenceParallelNorm."""
+    return TransformerBlockSubmodules(layer_specs=[_sequence_parallel_norms(layer)] * num_layers,
+                                      layer_norm=_sequence_parallel_norms(LayerNormImpl))
+
+
+def _sequence_parallel_norms(spec):
+    if spec is WrappedTorchNorm:
+        return SequenceParallelNorm
+    if isinstance(spec, ModuleSpec) and dataclasses.is_dataclass(spec.submodules):
+        sub = spec.submodules
+        return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **{
+            f.name: _sequence_parallel_norms(getattr(sub, f.name))
+            for f in dataclasses.fields(sub) if f.init}))
+    return spec
+
+
 @dataclass
 class DropoutSeeder:
     """Reseeds the RNGs before each layer from (seed, iteration, micro-batch, global layer)."""
@@ -132,22 +209,34 @@ class DropoutSeeder:
     def key(self, global_layer: int) -> tuple:
         return (self.seed, self.iteration, self.microbatch, global_layer)
 
-    def hook(self, global_layer: int) -> Callable:
+    def hook(self, global_layer: int, reseed_tracker: bool = True) -> Callable:
+        """`reseed_tracker`: megatron-core's model-parallel tracker too (not inside its fork)."""
         def pre_hook(module, args):
             key = self.key(global_layer)
             torch.manual_seed(stable_seed("default", *key))
+            if not reseed_tracker:
+                return
             tracker = tensor_parallel.get_cuda_rng_tracker()
             tracker.reset()
+            # Under sequence parallelism megatron-core runs the embedding's dropout in the
+            # tracker's fork: there the tracker draws what the default generator draws without.
             tracker.add(tensor_parallel.random._MODEL_PARALLEL_RNG_TRACKER_NAME,
-                        stable_seed("tp", *key))
+                        stable_seed("default" if global_layer < 0 else "tp", *key))
         return pre_hook
 
     def attach(self, model: torch.nn.Module, layer_offset: int, pre_process: bool,
-               tp_rank: int) -> None:
+               tp_rank: int, tp_size: int = 1, sequence_parallel: bool = False) -> None:
+        shard = SequenceShardDropout(model.config.hidden_dropout, tp_rank, tp_size)
         if pre_process:
             model.embedding.register_forward_pre_hook(self.hook(-1))
+            if sequence_parallel:
+                model.embedding.embedding_dropout = shard
         for i, layer in enumerate(model.decoder.layers):
-            layer.register_forward_pre_hook(self.hook(layer_offset + i))
+            # Under sequence parallelism megatron-core runs the whole decoder in the tracker's
+            # fork: the generator seeded here is the tracker's, and a reset would break the fork.
+            layer.register_forward_pre_hook(self.hook(layer_offset + i, not sequence_parallel))
+            if sequence_parallel:
+                layer.self_attn_bda = layer.mlp_bda = shard.bias_dropout_add
             core = layer.self_attention.core_attention
             # The local spec's DotProductAttention; transformer-engine's attention draws its
             # masks inside its kernel, per rank (TP-dependent, like Megatron-LM's).

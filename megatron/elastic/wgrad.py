@@ -90,9 +90,13 @@ def _deferrable_impl(original, store: WeightGradStore):
                      wgrad_deferral_limit=None, tp_group=None, **kwargs):
         if (not weight.requires_grad or gradient_accumulation_fusion or sequence_parallel
                 or grad_output_buffer is not None or kwargs):
-            # Paths this split does not cover keep megatron-core's fused backward.
-            return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                            sequence_parallel, grad_output_buffer, wgrad_deferral_limit,
-                            tp_group, **kwargs)
+            # Paths this split does not cover (sequence parallelism's gathered input among them)
+            # keep megatron-core's fused backward; by keyword: a deprecated argument of its
+            # function comes before tp_group.
+            return original(input, weight, bias,
+                            gradient_accumulation_fusion=gradient_accumulation_fusion,
+                            allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                            grad_output_buffer=grad_output_buffer,
+                            wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group, **kwargs)
         return _DeferrableLinear.apply(input, weight, bias, allreduce_dgrad, tp_group, store)
     return forward_impl

@@ -189,13 +189,20 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="refused: interleaved pipelines are not supported yet")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="refused: the sharded optimizer is not supported yet")
+                   help="shard the optimizer state over each stage's replicas (megatron-core's "
+                        "DistributedOptimizer); not with --chameleon yet")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="with --use-distributed-optimizer: shard over this many parts of each "
+                        "replica group, which all-reduce their shards")
     g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="refused: gradients are reduced after the backward")
+                   help="reduce each DDP bucket's gradients as soon as its backward is done")
     g.add_argument("--overlap-param-gather", action="store_true",
-                   help="refused: needs the distributed optimizer")
+                   help="with --use-distributed-optimizer: gather the stepped parameters "
+                        "during the next forward")
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="refused: sequence parallelism is not supported yet")
+                   help="split the sequence over the tensor-parallel ranks where the model is "
+                        "not split (norms, dropout, the activations between stages); off at "
+                        "--tensor-model-parallel-size 1, as in Megatron-LM")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients in bf16 (with --bf16; default fp32)")
 
@@ -286,10 +293,13 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "fetched from a replica), reparallelize (Oobleck-style: pipelines of "
                         "different depths over every survivor, the batch split by their speed), "
                         "reroute+restart (reroute, then at the next "
-                        "--save-interval checkpoint restart from it onto the re-planned layout) "
-                        "or restart (reload the latest "
+                        "--save-interval checkpoint restart from it onto the re-planned layout), "
+                        "restart (reload the latest "
                         "checkpoint of --save, else --load, onto a plan over the survivors; from "
-                        "the initial weights when there is none)")
+                        "the initial weights when there is none) or substitute (spares, the "
+                        "healthy ranks an earlier plan left out, take the lost places; restart "
+                        "where too few wait). Under every forced strategy spares take the lost "
+                        "places first where they can; auto weighs substitute with the others")
     g.add_argument("--chameleon-mtbf", type=float, default=None, metavar="HOURS",
                    help="mean time between failures, for the planner's horizon (default: the "
                         "failure rate observed in this job, else the iterations left)")
@@ -413,10 +423,15 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             recompute_num_layers=args.recompute_num_layers),
         parallel=ParallelConfig(
             world_size=args.world_size, tensor_parallel=args.tensor_model_parallel_size,
+            sequence_parallel=args.sequence_parallel,
             pipeline_parallel=args.pipeline_model_parallel_size,
             data_parallel=args.data_parallel_size, backend=args.distributed_backend,
             distributed_timeout_s=60.0 * args.distributed_timeout_minutes,
-            plan_file=args.chameleon_plan, placement=args.chameleon_placement),
+            plan_file=args.chameleon_plan, placement=args.chameleon_placement,
+            distributed_optimizer=args.use_distributed_optimizer,
+            optimizer_instances=args.num_distributed_optimizer_instances,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather),
         training=TrainingConfig(
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             train_iters=args.train_iters, seed=args.seed, lr=args.lr, min_lr=args.min_lr,
@@ -488,6 +503,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     args.world_size = world_size
+    args.sequence_parallel = args.sequence_parallel and tp > 1
+    need(not args.sequence_parallel or args.seq_length % tp == 0,
+         f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
+         f"--tensor-model-parallel-size {tp}")
     if args.chameleon_plan is None:
         need(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -554,8 +573,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         # autograd refuses to modify; MoE recipes (Mixtral, DeepSeek) have no biases anyway
         # megatron-core's token dispatcher gathers tokens over the TP group, which holds
         # each token once only with sequence parallelism (Megatron-LM asserts the same)
-        need(tp == 1, "--num-experts with --tensor-model-parallel-size > 1 needs "
-                      "--sequence-parallel, which is not supported yet")
+        need(tp == 1 or args.sequence_parallel,
+             "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel")
         need(args.disable_bias_linear,
              "--num-experts needs --disable-bias-linear (megatron-core's experts fail with "
              "biases without the grouped GEMM)")
@@ -607,6 +626,15 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
          "--reset-attention-mask needs the loader's attention mask "
          "(--no-create-attention-mask-in-dataloader refuses it)")
     need(not args.grad_reduce_in_bf16 or args.bf16, "--grad-reduce-in-bf16 needs --bf16")
+    instances = args.num_distributed_optimizer_instances
+    need(instances >= 1, "--num-distributed-optimizer-instances must be at least 1")
+    need(instances == 1 or args.use_distributed_optimizer,
+         "--num-distributed-optimizer-instances needs --use-distributed-optimizer")
+    need(dp is None or dp % instances == 0,
+         f"--num-distributed-optimizer-instances {instances} does not divide the data parallel "
+         f"size {dp}")
+    need(not args.overlap_param_gather or args.use_distributed_optimizer,
+         "--overlap-param-gather needs --use-distributed-optimizer")
 
     need(args.tokenizer_type in TOKENIZER_TYPES,
          f"unknown --tokenizer-type {args.tokenizer_type!r}; choose one of "
@@ -705,15 +733,15 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
     ("--num-virtual-stages-per-pipeline-rank",
      lambda a: a.num_virtual_stages_per_pipeline_rank is not None,
      "interleaved pipelines are not supported yet"),
-    ("--use-distributed-optimizer", lambda a: a.use_distributed_optimizer,
-     "the sharded optimizer is not supported yet: every data-parallel replica holds the whole "
-     "optimizer state, which recovery copies from"),
-    ("--overlap-grad-reduce", lambda a: a.overlap_grad_reduce,
-     "gradients are reduced after the backward, not overlapped with it"),
-    ("--overlap-param-gather", lambda a: a.overlap_param_gather,
-     "it needs the distributed optimizer, which is not supported yet"),
-    ("--sequence-parallel", lambda a: a.sequence_parallel,
-     "sequence parallelism is not supported yet"),
+    ("--use-distributed-optimizer", lambda a: a.use_distributed_optimizer and a.chameleon,
+     "not with --chameleon yet: recovery of the sharded optimizer state is not built yet "
+     "(recovery copies each layer's whole state from a replica)"),
+    ("--use-distributed-optimizer", lambda a: a.use_distributed_optimizer and a.chameleon_plan,
+     "not with --chameleon-plan: the state is sharded over whole-stage replicas of Megatron's "
+     "grid, which a given plan need not have"),
+    ("--overlap-grad-reduce", lambda a: a.overlap_grad_reduce and (a.chameleon or a.chameleon_plan),
+     "not with --chameleon or --chameleon-plan yet: their schedules may split backwards (whose "
+     "weight gradients bypass DDP's hooks) and a recovery drains the reduction as one op"),
     ("--fp8-format", lambda a: a.fp8_format is not None,
      "fp8 needs transformer-engine on a Hopper GPU and is not supported yet"),
     ("--moe-grouped-gemm", lambda a: a.moe_grouped_gemm,

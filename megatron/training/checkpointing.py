@@ -3,6 +3,9 @@
 Each parameter and its Adam moments are stored under the parameter's global name (layer i is
 `decoder.layers.i...` whichever stage holds it), so a checkpoint written under one plan loads under
 any plan with the same model and tensor-parallel size; replicas write a key once (DCP dedups).
+The distributed optimizer's slices of the moments are saved whole under the same keys
+(megatron.elastic.sharded_state), so its checkpoints load under any data-parallel size and
+either optimizer.
 The LR scheduler, iteration, consumed samples and the model's flags (for
 --use-checkpoint-args) go to meta.json. RNG state is not needed (--no-load-rng changes nothing):
 dropout is reseeded from (seed, iteration, micro-batch, layer).
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from megatron.elastic import state_transfer
+from megatron.elastic import sharded_state, state_transfer
 from megatron.elastic.schedules import StageRuntime
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -44,12 +47,19 @@ def _dir(root: str, iteration: int) -> Path:
 
 
 def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool,
-                optimizer: bool = True) -> dict:
+                optimizer: bool = True, saving: bool = False) -> dict:
+    """`saving` the distributed optimizer's state: its whole moments gathered (collective);
+    else zeroed whole tensors for a load to fill (then `_load_slices`)."""
     params = state_transfer.named_parameters(rt, tied_embeddings)
     sd: dict[str, torch.Tensor] = {f"model/{k}": p.data for k, p in params.items()}
     if not optimizer:
         return sd
     by_id = {id(p): k for k, p in params.items()}
+    if sharded_state.is_sharded(rt.optimizer):
+        whole = sharded_state.whole_state(rt.optimizer, by_id, gathered=saving)
+        sd.update({f"optim/{name}/{k}": v for name, state in whole.items()
+                   for k, v in state.items()})
+        return sd
     for opt in state_transfer.torch_optimizers(rt.optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -77,8 +87,9 @@ def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, 
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier(group=group)
-        dcp.save(_state_dict(rt, tied_embeddings, create_missing=True), checkpoint_id=str(tmp),
-                 process_group=group)
+        sharded_state.gather_parameters(rt.model)
+        dcp.save(_state_dict(rt, tied_embeddings, create_missing=True, saving=True),
+                 checkpoint_id=str(tmp), process_group=group)
         if written:
             written()
         dist.barrier(group=group)
@@ -164,8 +175,14 @@ def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
         if meta.get(k) != v:
             raise CheckpointError(f"checkpoint {d} has {k}={meta.get(k)!r}, this run has {v!r}")
     with _group(timeout) as group:
-        dcp.load(_state_dict(rt, tied_embeddings, create_missing=True, optimizer=optimizer),
-                 checkpoint_id=str(d), process_group=group)
+        sd = _state_dict(rt, tied_embeddings, create_missing=True, optimizer=optimizer)
+        dcp.load(sd, checkpoint_id=str(d), process_group=group)
+    if optimizer and sharded_state.is_sharded(rt.optimizer):
+        names = {id(p): k for k, p in state_transfer.named_parameters(rt,
+                                                                     tied_embeddings).items()}
+        sharded_state.load_slices(rt.optimizer, names, {
+            name: {k: sd[f"optim/{name}/{k}"] for k in ("step", *sharded_state.MOMENTS)}
+            for name in set(names.values())})
     if scheduler:
         rt.scheduler.load_state_dict(meta["scheduler"])
     return meta

@@ -96,6 +96,9 @@ class ParallelConfig:
 
     world_size: int                          # WORLD_SIZE of the launcher
     tensor_parallel: int = 1                 # --tensor-model-parallel-size
+    # --sequence-parallel (only with tensor_parallel > 1): the activations outside the attention
+    # and MLP, those sent between stages included, are split over the sequence, [s/tp, b, h]
+    sequence_parallel: bool = False
     pipeline_parallel: int = 1               # --pipeline-model-parallel-size
     # world / (TP x PP); None with --chameleon-plan, whose pipelines set it
     data_parallel: int | None = 1
@@ -108,6 +111,10 @@ class ParallelConfig:
     # --chameleon-placement under chameleon-launch: spread (each stage's replicas on different
     # nodes; the default with --chameleon) or megatron (Megatron's rank order)
     placement: Placement = "megatron"
+    distributed_optimizer: bool = False      # --use-distributed-optimizer
+    optimizer_instances: int = 1             # --num-distributed-optimizer-instances
+    overlap_grad_reduce: bool = False        # --overlap-grad-reduce
+    overlap_param_gather: bool = False       # --overlap-param-gather
 
 
 @dataclass(frozen=True)

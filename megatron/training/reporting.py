@@ -153,7 +153,8 @@ class Reporter:
                                k: v for k, v in d.switch.to_dict().items() if k != "plan"},
                            reconfigure_ms=round(reconfigure_ms, 1), lost_iterations=lost,
                            resume_iteration=resume + 1, world=plan.world_size,
-                           moved_bytes=t.entered.moved_bytes, attempts=t.attempts)
+                           moved_bytes=t.entered.moved_bytes, attempts=t.attempts,
+                           spares=len(t.spares))
         detect = "" if t.detect_ms is None else \
             f", detected {max(t.detect_ms, 0.0):.0f} ms after it"
         where = "" if failure.during == "step" else f" (during the {failure.during})"
@@ -165,6 +166,7 @@ class Reporter:
             "  " + schedule_line(schedule)[2:],
             f"  new world {plan.world_size} ranks, generation {plan.generation}"
             + (f" after {t.attempts} attempts" if t.attempts > 1 else "")
+            + (f", spare(s) {t.spares}" if t.spares else "")
             + f", reconfigured in {reconfigure_ms:.0f} ms; training goes on from iteration "
             f"{resume + 1} ({lost} iteration(s) lost)"
             + (f" (before: {before:.1f} ms/iteration)" if before else ""),
@@ -209,7 +211,8 @@ class Reporter:
                            generation=plan.generation, world=plan.world_size,
                            moved_bytes=t.entered.moved_bytes,
                            reconfigure_ms=round(reconfigure_ms, 1),
-                           predicted_iter_ms=d.predicted_iter_ms, plan=plan.to_dict())
+                           predicted_iter_ms=d.predicted_iter_ms, plan=plan.to_dict(),
+                           spares=len(t.spares))
         self.line(f"> rejoin after iteration {it}: launch rank(s) {d.joined} admitted; "
                   f"{d.strategy} plan {layout_text(plan)} on {plan.world_size} ranks, "
                   f"generation {plan.generation}; {t.entered.moved_bytes / 2**20:.2f} MiB of "
@@ -243,12 +246,17 @@ class Reporter:
                   f"holder, refreshed in {sync:.2f} ms per iteration (slowest rank)")
 
     def memory(self, ranks: list[dict]) -> None:
-        """Every rank's measured memory beside its estimate."""
+        """Every rank's measured memory beside its estimate (None: measured only)."""
         if not self.lead:
             return
         self.metrics.write("memory", ranks=ranks)
-        worst = max(ranks, key=lambda x: x["measured_bytes"] / max(x["estimated_bytes"], 1))
         most = max(x["measured_bytes"] for x in ranks) / 2**20
+        if ranks[0]["estimated_bytes"] is None:  # a job without --chameleon: no profile
+            state = max(x["optimizer_bytes"] for x in ranks) / 2**20
+            self.line(f"> memory per rank: measured {most:.2f} MiB at most, of it optimizer "
+                      f"state {state:.2f} MiB at most")
+            return
+        worst = max(ranks, key=lambda x: x["measured_bytes"] / max(x["estimated_bytes"], 1))
         planned = max(x["estimated_bytes"] for x in ranks) / 2**20
         self.line(f"> memory per rank: measured {most:.2f} MiB at most, estimated "
                   f"{planned:.2f} MiB; measured/estimated at most "
@@ -349,7 +357,7 @@ def _what(d, plan: ExecutionPlan, resume: int, moved_bytes: int) -> str:
         return ((f"checkpoint of iteration {resume}" if resume else
                  "no checkpoint: back to iteration 0 and the initial weights")
                 + f" loaded onto {layout_text(plan)}")
-    if d.strategy in ("takeover", "reparallelize", "rejoin"):
+    if d.strategy in ("takeover", "reparallelize", "rejoin", "substitute"):
         return "; ".join(f"pipeline {pi} now {len(p.stages)} stage(s): " + ", ".join(
             f"layers [{st.layer_start}, {st.layer_end}) on rank(s) {st.ranks}" for st in p.stages)
             + f", {len(p.micro_batches)} micro-batch(es)" for pi, p in enumerate(plan.pipelines)) \

@@ -42,8 +42,8 @@ from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
 from megatron.elastic.calibration import LiveCalibration
 from megatron.elastic.emulation import Emulation
 from megatron.elastic.manager import (PHASE_OF, Admission, DisabledManager, ElasticManager,
-                                      Enter, Entered, Failure, NotNeeded,
-                                      PlannedSwitch, Unrecoverable)
+                                      Enter, Entered, Failure, Handover, NotNeeded,
+                                      PlannedSwitch, Spare, Unrecoverable)
 from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock, StepHooks
 from megatron.training import checkpointing, planning
 from megatron.training.config import JobConfig, ModelConfig, ParallelConfig
@@ -172,10 +172,14 @@ class Trainer:
             rendezvous=(timedelta(seconds=elastic.timeouts.rendezvous_s) if elastic.enabled
                         else None),
             timers=self.timers, executor=elastic.executor, compute_clock=compute_clock,
-            eager=elastic.eager, measure_memory=elastic.enabled,
+            # every job reports its memory at its end (with --chameleon beside the estimate)
+            eager=elastic.eager, measure_memory=True,
             hooks=self._step_hooks(), emulation=self.emulation,
             every_stage_reads=config.data.reset_attention_mask,
-            grad_reduce_in_fp32=not training.grad_reduce_in_bf16)
+            grad_reduce_in_fp32=not training.grad_reduce_in_bf16,
+            data_parallel=runtime.DataParallel(
+                config.parallel.distributed_optimizer, config.parallel.optimizer_instances,
+                config.parallel.overlap_grad_reduce, config.parallel.overlap_param_gather))
         # What a checkpoint must match to be loaded, and how long its collectives may wait.
         self.model_meta = {"num_layers": config.model.num_layers,
                            "hidden_size": config.model.hidden_size,
@@ -188,11 +192,19 @@ class Trainer:
         self.start = 0
         self.strategy = "none"
         self.switch = None          # a hybrid's planned second step (decision.Switch)
-        self.pending: list[Callable[[], None]] = []   # actions due at this iteration boundary
+        # The actions at iteration boundaries, by name: a rank entering without state takes the
+        # names of those the stayers still run (manager.Handover).
+        self.actions: dict[str, Callable[[], None]] = {
+            "eval": self._evaluate, "checkpoint": self._save, "gc": gc.collect,
+            "exit-check": self._check_exit, "switch": self._switch, "admit": self._admit,
+            "shutting-down": self._shutting_down, "shadows": self._report_shadows,
+            "memory": self._report_memory, "replicas": self._check_replicas,
+            "emulation": self._report_emulation}
+        self.pending: list[str] = []   # the actions due at this iteration boundary, by name
         self.finishing = False      # the final actions were scheduled
         self.watch = Stopwatch()
         self.built = None
-        self.left: NotNeeded | None = None   # a joiner the plan had no place for
+        self.left: NotNeeded | None = None   # a joiner that came after the last iteration
         # Everything made so far (imports, data, tokenizer) lives for the whole job: out of the
         # collector's sight, so that the collections at a recovery (which close the old
         # groups' sockets) take milliseconds, not half a second.
@@ -228,25 +240,36 @@ class Trainer:
     def train(self) -> dict:
         if self.left is not None:
             return self._leave(self.left)
+        if self.built is None:      # a joiner its admission gave no place: a spare from the start
+            try:
+                self._stand_by()
+            except NotNeeded as why:
+                return self._leave(why)
         c = self.config
         self.reporter.start(self.plan, self.placement_line, self.built.schedule, self.start,
                             f"backend {c.parallel.backend}, transformer impl "
                             f"{c.model.transformer_impl}, fused kernels: "
                             f"{'apex' if _has('apex') else 'torch fallbacks (no apex)'}, packed "
-                            f"messages: {comm.backend()}",
+                            f"messages: {comm.backend()}"
+                            + (", sequence parallel" if c.parallel.sequence_parallel else ""),
                             c.elastic.strategy if c.elastic.enabled else None,
                             len(self.injector.job_specs))
         while True:
+            failure = None
             try:
                 self._advance()
                 break
             except StepFailure as f:
                 failure = f.failure
-            except NotNeeded as why:        # a switch or an admission left this rank out
+            except NotNeeded as why:        # a planned leave
                 return self._leave(why)
-            # Outside the except block: its traceback would pin the broken groups.
+            except Spare:                   # a switch or an admission left this rank out
+                pass
+            # Outside the except block: its traceback would pin the broken groups (and the
+            # state a spare dropped).
             try:
-                self._recover(failure)
+                if failure is None or not self._recover(failure):
+                    self._stand_by()
             except NotNeeded as why:
                 return self._leave(why)
         return self._finish()
@@ -255,7 +278,7 @@ class Trainer:
         """Steps and their boundaries' actions up to the end of the job; raises StepFailure."""
         while True:
             while self.pending:
-                self.pending[0]()
+                self.actions[self.pending[0]]()
                 self.pending.pop(0)
             if self.iteration >= self.config.training.train_iters or self.stopped is not None:
                 if self.finishing:
@@ -307,40 +330,40 @@ class Trainer:
                                                       normalizer=log.log_interval)
             if log.timing_log_level > 0 else "")
 
-    def _actions_after(self, it: int) -> list[Callable[[], None]]:
+    def _actions_after(self, it: int) -> list[str]:
         ckpt = self.config.checkpoint
         due = []
         if self.valid_loader and it % self.config.training.eval_interval == 0:
-            due.append(self._evaluate)
+            due.append("eval")
         if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
-            due.append(self._save)
+            due.append("checkpoint")
         training = self.config.training
         if training.manual_gc and training.manual_gc_interval and \
                 it % training.manual_gc_interval == 0:
-            due.append(gc.collect)
+            due.append("gc")
         if training.exit_interval or self.exits.voting:
-            due.append(self._check_exit)
+            due.append("exit-check")
         if self.switch is not None and it == self.switch.at_iteration:
-            due.append(self._switch)
+            due.append("switch")
         if self.elastic.admission_due(it):
-            due.append(self._admit)
+            due.append("admit")
         return due
 
-    def _final_actions(self) -> list[Callable[[], None]]:
+    def _final_actions(self) -> list[str]:
         ckpt = self.config.checkpoint
-        due: list[Callable[[], None]] = [self._shutting_down]
+        due = ["shutting-down"]
         last = self.iteration
         if ckpt.save and last > self.start and \
                 not (ckpt.save_interval and last % ckpt.save_interval == 0):
-            due.append(self._save)
+            due.append("checkpoint")
         if self.built.shadows is not None:
-            due.append(self._report_shadows)
+            due.append("shadows")
         if self.built.runtime.memory is not None:
-            due.append(self._report_memory)
+            due.append("memory")
         if self.elastic.enabled:   # the promise a plan change keeps: replicas identical
-            due.append(self._check_replicas)
+            due.append("replicas")
         if self.emulation is not None:
-            due.append(self._report_emulation)
+            due.append("emulation")
         return due
 
     # ---- actions at iteration boundaries -----------------------------------------------------
@@ -428,13 +451,12 @@ class Trainer:
     def _switch(self) -> None:
         it, switch = self.iteration, self.switch
         self.switch = None
-        t = self._transition(PlannedSwitch(switch))
+        t = self._transition(PlannedSwitch(switch), self.pending[1:])
         if not self._lost_during(t, "switch"):
             self.reporter.switched(t, it)
 
     def _admit(self) -> None:
-        t = self._transition(Admission(self.iteration,
-                                       self.built.runtime.scheduler.state_dict(), self.consumed))
+        t = self._transition(Admission(self.iteration), self.pending[1:])
         self._lost_during(t, "admission")
         if t.decision.joined:
             self.reporter.rejoined(t, self.iteration)
@@ -474,25 +496,31 @@ class Trainer:
             rt.emulation.checkpoint_io(began)
 
     def _report_memory(self) -> None:
-        """Every rank's measured memory (training state, shadow copies, the most activations
-        held at once) beside the plan's estimate with the calibrated profile."""
+        """Every rank's measured memory (training state, of it the optimizer's, shadow copies,
+        the most activations held at once) beside the plan's estimate with the calibrated
+        profile (none in a job without --chameleon: it measures only)."""
         rt = self.built.runtime
-        mine = {"state": memory_meter.state_bytes(rt.module,
-                                                  state_transfer.torch_optimizers(rt.optimizer)),
+        optimizers = state_transfer.torch_optimizers(rt.optimizer)
+        mine = {"state": memory_meter.state_bytes(rt.module, optimizers),
                 "shadows": self.built.shadows.held_bytes if self.built.shadows else 0,
-                "activations": rt.memory.peak_bytes}
+                "activations": rt.memory.peak_bytes,
+                "optimizer": memory_meter.optimizer_bytes(optimizers)}  # part of state
         with self._boundary("shutdown"):
             everyone = _gather(mine)
-        profile = self.calibration.profile(self.plan, self.elastic.alive) \
-            if self.rank == 0 and self.calibration is not None else None
-        if profile is None:
+        if self.rank != 0:
             return
-        estimate = predict_plan(self.plan, profile).memory_bytes
-        held = redundancy.held_bytes(self.plan, profile.shape) if self.built.shadows else {}
+        profile = self.calibration.profile(self.plan, self.elastic.alive) \
+            if self.calibration is not None else None
+        if profile is None and self.elastic.enabled:
+            return
+        estimate = predict_plan(self.plan, profile).memory_bytes if profile else {}
+        held = redundancy.held_bytes(self.plan, profile.shape) \
+            if profile and self.built.shadows else {}
         self.reporter.memory([
-            {"rank": r, "measured_bytes": sum(m.values()),
+            {"rank": r, "measured_bytes": m["state"] + m["shadows"] + m["activations"],
              **{f"{k}_bytes": v for k, v in m.items()},
-             "estimated_bytes": estimate[r] + held.get(r, 0)} for r, m in enumerate(everyone)])
+             "estimated_bytes": estimate[r] + held.get(r, 0) if profile else None}
+            for r, m in enumerate(everyone)])
 
     def _check_replicas(self) -> None:
         mine = state_transfer.state_digests(self.built.runtime, self.tied)
@@ -500,9 +528,13 @@ class Trainer:
             self.reporter.replicas(_gather(mine))
 
     # ---- transitions -------------------------------------------------------------------------
-    def _recover(self, failure: Failure) -> None:
+    def _recover(self, failure: Failure) -> bool:
+        """The transition after `failure`; False when it left this rank out (a spare)."""
         before = self.iteration
-        t = self._transition(failure)
+        try:
+            t = self._transition(failure, list(self.pending))
+        except Spare:
+            return False
         self.lost_at += [t.first_notice] * len(t.failed)
         resume = self.iteration
         if resume < before:   # a restart went back to its checkpoint: so do the actions
@@ -512,14 +544,18 @@ class Trainer:
         if self.rank == 0:
             self.calibration.measured_transition(t.detect_ms,
                                                  1e3 * (time.time() - t.first_notice))
+        return True
 
-    def _transition(self, trigger):
+    def _transition(self, trigger, pending: list[str]):
         """The manager's transaction from the current world; this rank's state is captured
-        once and entered by every attempt."""
+        once and entered by every attempt. `pending`: the actions this boundary still runs
+        after it (a rank entering without state runs them too). Raises Spare."""
         carried = self._capture()
+        handover = Handover(self.built.runtime.scheduler.state_dict(), self.consumed, pending)
         self.built = None
         try:
-            t = self.elastic.reconfigure(trigger, self.plan, self._enter_with(carried))
+            t = self.elastic.reconfigure(trigger, self.plan, self._enter_with(carried),
+                                         handover)
         except (Unrecoverable, MembershipError, state_transfer.StateLost,
                 checkpointing.CheckpointError) as why:
             raise JobError(f"cannot go on in-process after iteration {self.iteration}: {why}") \
@@ -530,8 +566,10 @@ class Trainer:
     def _join(self) -> None:
         try:
             t = self.elastic.join(self._enter_with(None), self.config.elastic.timeouts.join_s)
-        except NotNeeded as why:   # admitted, but the plan has no place for this rank
+        except NotNeeded as why:   # the job trained its last iteration before the admission
             self.left = why
+            return
+        except Spare:              # admitted, but the plan has no place for it: train() waits
             return
         except (Unrecoverable, MembershipError, state_transfer.StateLost) as why:
             raise JobError(f"cannot join the job: {why}") from None
@@ -540,6 +578,28 @@ class Trainer:
         self.reporter.line(f"> launch rank {self.elastic.launch_rank} joined the job after iteration "
               f"{self.iteration}: rank {t.rank} of {t.plan.world_size}, generation "
               f"{t.plan.generation}")
+
+    def _stand_by(self) -> None:
+        """This rank is a spare: out of the world, its state dropped, alive until a transition
+        gives it a place (it enters without state, like a joiner, and runs what the stayers
+        still run at that boundary) or the job trained its last iteration (NotNeeded)."""
+        self.built = None
+        gc.collect()    # the dropped runtime's memory goes back while it waits
+        print(f"> launch rank {self.elastic.launch_rank} stands by as a spare after iteration "
+              f"{self.iteration}", flush=True)
+        while True:
+            try:
+                t = self.elastic.stand_by(self._enter_with(None))
+                break
+            except Spare:
+                continue
+            except (Unrecoverable, MembershipError, state_transfer.StateLost) as why:
+                raise JobError(f"cannot go on in-process as a spare: {why}") from None
+        self._entered(t)
+        self.pending, self.finishing = list(t.decision.pending), False
+        print(f"> launch rank {self.elastic.launch_rank} left the spares for the "
+              f"{t.decision.strategy} plan after iteration {self.iteration}: rank {t.rank} of "
+              f"{t.plan.world_size}, generation {t.plan.generation}", flush=True)
 
     def _entered(self, t) -> None:
         self.plan, self.rank, self.iteration = t.plan, t.rank, t.entered.applied

@@ -55,7 +55,8 @@ def _fail(msg: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def transformer_config(model: ModelConfig, tensor_parallel: int):
+def transformer_config(model: ModelConfig, tensor_parallel: int,
+                       sequence_parallel: bool = False):
     """megatron-core's TransformerConfig for the model flags, as Megatron-LM builds it."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -78,7 +79,7 @@ def transformer_config(model: ModelConfig, tensor_parallel: int):
         moe_router_pre_softmax=model.moe_router_pre_softmax,
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method, recompute_num_layers=model.recompute_num_layers,
-        tensor_model_parallel_size=tensor_parallel,
+        tensor_model_parallel_size=tensor_parallel, sequence_parallel=sequence_parallel,
         hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std, normalization=model.normalization,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=model.bf16, fp16=model.fp16,
@@ -153,7 +154,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
                                     merge_file=data.merge_file,
                                     tokenizer_model=data.tokenizer_model,
                                     vocab_size=data.vocab_size)
-        model_config = transformer_config(config.model, config.parallel.tensor_parallel)
+        model_config = transformer_config(config.model, config.parallel.tensor_parallel,
+                                          config.parallel.sequence_parallel)
     except (ConfigError, PlanError, TokenizerError) as e:
         _fail(str(e))
     except (ValueError, AssertionError) as e:   # megatron-core's own checks of the model flags

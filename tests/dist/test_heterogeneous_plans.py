@@ -13,7 +13,7 @@ import torch
 from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
 from megatron.elastic import grad_reduction, parallel_state
 from megatron.elastic.parallel_state import ReductionGroup
-from tests.launch import SMALL_MODEL, assert_close, run_chameleon, run_job
+from tests.launch import SMALL_MODEL, assert_close, run_chameleon, reference_run, run_job
 
 ITERS = 4
 
@@ -57,10 +57,7 @@ def assert_same_grad_norms(run, single) -> None:
 
 @pytest.fixture(scope="module")
 def single(small_data, tmp_path_factory):
-    run = run_job(1, common(small_data), tmp_path_factory.mktemp("single"), name="single")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.iterations() == list(range(1, ITERS + 1))
-    return run
+    return reference_run(1, common(small_data), tmp_path_factory.mktemp("single"), ITERS, "single")
 
 
 @pytest.mark.slow

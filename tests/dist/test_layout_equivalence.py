@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.launch import SMALL_MODEL, assert_close, run_chameleon, run_job
+from tests.launch import SMALL_MODEL, assert_close, run_chameleon, reference_run, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +22,7 @@ def common(data: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def single(small_data, tmp_path_factory):
-    run = run_job(1, common(small_data), tmp_path_factory.mktemp("single"), name="single")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.iterations() == list(range(1, 11))
-    return run
+    return reference_run(1, common(small_data), tmp_path_factory.mktemp("single"), 10, "single")
 
 
 def test_megatron_core_no_pipelining_matches_single_process(single, small_data, tmp_path):
@@ -117,15 +114,18 @@ def test_rerouted_plan_with_split_backward_matches_single_process(single, small_
     assert fallback.losses() == run.losses()
 
 
-@pytest.mark.parametrize("world,tp,pp", [(8, 2, 2)], ids=["tp2xpp2xdp2"])
+@pytest.mark.parametrize("world,tp,pp,extra", [(8, 2, 2, []), (8, 2, 2, ["--sequence-parallel"])],
+                         ids=["tp2xpp2xdp2", "tp2xpp2xdp2-sequence-parallel"])
 def test_tensor_parallel_layouts_match_single_process(single, small_data, tmp_path, world, tp,
-                                                      pp):
-    """TP 2 leaves two attention heads and half of the vocabulary to each rank."""
+                                                      pp, extra):
+    """TP 2 leaves two attention heads and half of the vocabulary to each rank; with sequence
+    parallelism, half of the sequence outside them too (the stages send [s/2, b, h])."""
     run = run_job(world, common(small_data) + ["--tensor-model-parallel-size", str(tp),
-                                               "--pipeline-model-parallel-size", str(pp)],
-                  tmp_path)
+                                               "--pipeline-model-parallel-size", str(pp),
+                                               *extra], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"tensor parallel {tp}" in run.stdout
+    assert ("sequence parallel" in run.stdout) == bool(extra)
     assert_close(run.losses(), single.losses())
 
 
@@ -138,7 +138,8 @@ def tp2_plan(path, pipelines: list[dict]):
 
 def test_rerouted_tensor_parallel_plan_matches_single_process(single, small_data, tmp_path):
     """TP 2 x PP 2 x DP 2 after losing pipeline 1's last stage (a whole TP group): ranks 4 and 5,
-    pipeline 0's last stage, host its micro-batches."""
+    pipeline 0's last stage, host its micro-batches; with sequence parallelism, whose
+    column-parallel layers keep megatron-core's backward when the schedule splits the others'."""
     hosted = {str(mb): [4, 5] for mb in range(4, 8)}
     path = tp2_plan(tmp_path / "plan.json", [
         {"stages": [{"layer_start": 0, "layer_end": 2, "ranks": [0, 1]},
@@ -148,7 +149,8 @@ def test_rerouted_tensor_parallel_plan_matches_single_process(single, small_data
                     {"layer_start": 2, "layer_end": 4, "ranks": [], "hosts": hosted}],
          "micro_batches": [4, 5, 6, 7]}])
     run = run_job(6, common(small_data) + ["--tensor-model-parallel-size", "2",
-                                           "--chameleon-plan", str(path)], tmp_path)
+                                           "--sequence-parallel", "--chameleon-plan", str(path)],
+                  tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert_close(run.losses(), single.losses())
 

@@ -1,7 +1,8 @@
 """Megatron-LM's model flags keep the layout out of the numbers: a Llama-style model (SwiGLU,
 grouped-query attention, RMSNorm, RoPE, QK layernorm, untied output, no biases; documents masked
-from each other) on TP 2 x PP 2, a mixture of experts on PP 2 x DP 2 (its load-balancing loss
-scaled like the main loss), activation recompute, and a batch-size ramp (4, 8, then 12 samples
+from each other) on TP 2 x PP 2 with sequence parallelism, a mixture of experts on TP 2 x PP 2
+(which needs sequence parallelism; its load-balancing loss scaled like the main loss), activation
+recompute, and a batch-size ramp (4, 8, then 12 samples
 per iteration) give one process's losses (1e-5)."""
 
 import pytest
@@ -42,11 +43,13 @@ def singles(small_data, tmp_path_factory):
 # Recompute changes no number: the layouts below run with it, their references without.
 @pytest.mark.parametrize("name, model, world, layout", [
     ("llama", LLAMA + ["--recompute-activations"], 4, [
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    ("moe", MOE, 4, ["--pipeline-model-parallel-size", "2"]),
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--sequence-parallel"]),
+    ("moe", MOE, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                     "--sequence-parallel"]),
     ("ramp", RAMP + ["--recompute-granularity", "full", "--recompute-method", "uniform",
                      "--recompute-num-layers", "1"], 4, ["--pipeline-model-parallel-size", "2"]),
-], ids=["llama-selective-recompute-tp2xpp2", "moe-pp2xdp2", "ramp-full-recompute-pp2xdp2"])
+], ids=["llama-selective-recompute-tp2xpp2-sp", "moe-tp2xpp2-sp", "ramp-full-recompute-pp2xdp2"])
 def test_model_flags_match_one_process(singles, small_data, tmp_path, name, model, world,
                                        layout):
     run = run_job(world, common(small_data, *model) + layout, tmp_path)

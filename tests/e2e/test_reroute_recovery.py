@@ -91,7 +91,8 @@ def test_without_a_surviving_replica_the_job_restarts_from_its_checkpoint(small_
 
 def test_forced_restart_leaves_the_survivors_the_plan_cannot_use(small_data, tmp_path):
     """--chameleon-strategy restart on pipeline 2 x data 2 of a 2-layer model: of 3 survivors
-    the new plan (pipeline 2 x data 1) uses 2; the third leaves the job cleanly."""
+    the new plan (pipeline 2 x data 1) uses 2; the third stands by as a spare and leaves the job
+    cleanly once it trained its last iteration."""
     args = SMALL_MODEL + ["--num-layers", "2", "--pipeline-model-parallel-size", "2",
                           "--global-batch-size", "16", "--train-iters", "6", "--lr-decay-iters",
                           "6", "--data-path", small_data, "--split", "100,0,0"]
@@ -102,8 +103,9 @@ def test_forced_restart_leaves_the_survivors_the_plan_cannot_use(small_data, tmp
                         tmp_path, name="forced")
     assert run.returncode == 0, run.stderr[-3000:]
     assert_close(last_losses(run.metrics), ref.losses())
-    assert "> leaving the job after iteration 3: the restart plan uses 2 of the survivors" in \
-        run.stdout
+    assert "stands by as a spare after iteration 3" in run.stdout
+    assert "> leaving the job after iteration 3: the job trained its last iteration while " \
+        "launch rank" in run.stdout
     assert "no checkpoint: back to iteration 0 and the initial weights loaded onto pipeline 2 x " \
         "data 1" in run.stdout
     assert "worker rank 2" in run.stderr and "exited 0" in run.stderr

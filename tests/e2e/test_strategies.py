@@ -6,8 +6,10 @@ import re
 
 import pytest
 
+from chameleon_ext.planning.perf_model import ModelShape
 from tests.launch import (SMALL_MODEL, assert_close, failure_free_losses, last_losses,
                           run_chameleon)
+from tests.profiles import synthetic_profile
 
 pytestmark = pytest.mark.slow
 ITERS = 10
@@ -117,22 +119,26 @@ def test_eager_redundancy_takeover_moves_no_state(references, small_data, tmp_pa
     assert_memory_within_estimates(events)
 
 
-@pytest.mark.parametrize("strategy", ["reroute", "takeover", "auto"])
+@pytest.mark.parametrize("strategy,extra", [("reroute", []), ("takeover", ["--sequence-parallel"]),
+                                            ("auto", [])],
+                         ids=["reroute", "takeover-sequence-parallel", "auto"])
 def test_a_lost_tensor_parallel_rank_takes_its_group_out(references, small_data, tmp_path,
-                                                         strategy):
+                                                         strategy, extra):
     """TP 2 x PP 2 x DP 2 loses rank 3, one shard of pipeline 1's first stage: the group is
-    the unit, so its healthy sibling, rank 2, leaves with it (exit 0; the new world is not a
-    prefix of the survivors: rank 7 stays) and every strategy recovers in-process on the
+    the unit, so its healthy sibling, rank 2, leaves the plan with it (a spare until the end,
+    then exit 0; the new world is not a prefix of the survivors: rank 7 stays) and every
+    strategy recovers in-process on the
     other six (a re-parallelization possibly on fewer), no restart: rerouted to pipeline 0's
     first-stage group, taken over by pipeline 1's last-stage group (each of its ranks
     receiving its own shard's weights and Adam moments), or re-parallelized. The losses are
-    those of TP 1 (initialisation and dropout do not depend on the TP size)."""
+    those of TP 1 (initialisation and dropout do not depend on the TP size), with sequence
+    parallelism too (the takeover's: its neighbour's TP group then runs a misaligned plan)."""
     # 8 workers on 2 cores: a recovering rank may go 5 s without progress while the others
     # build their groups (seen once as a false hang); 15 s is still far below the agreement's
     run = run_chameleon(8, common(small_data, 2) + [
         "--tensor-model-parallel-size", "2", "--chameleon", "--chameleon-strategy", strategy,
         "--chameleon-inject", "kill:rank=3,iter=5,phase=backward",
-        "--chameleon-progress-timeout", "15"], tmp_path, name=f"tp-{strategy}")
+        "--chameleon-progress-timeout", "15", *extra], tmp_path, name=f"tp-{strategy}")
     assert run.returncode == 0, run.stderr[-3000:]
     events = run.metrics
     assert_close(last_losses(events), references(2))
@@ -144,7 +150,43 @@ def test_a_lost_tensor_parallel_rank_takes_its_group_out(references, small_data,
         assert rec["strategy"] == strategy
     if rec["strategy"] == "takeover":
         assert rec["moved_bytes"] > 0 and "layers [0, 4) on rank(s) [4, 5]" in run.stdout
-    assert "launch rank 2 is not among them" in run.stdout
+    assert "launch rank 2 stands by as a spare" in run.stdout
     assert re.search(r"worker rank 2 \(pid \d+\) exited 0", run.stderr), run.stderr[-3000:]
     replicas = [e for e in events if e["event"] == "replicas"]
     assert [e["identical"] for e in replicas] == [True] and replicas[0]["parameters"] == 2 * 52
+
+
+def test_a_spare_stands_by_and_substitutes_for_the_next_loss(references, small_data, tmp_path):
+    """Warm spares: the restart after rank 3's loss at iteration 2 runs on 2 of the 3 survivors
+    (data parallel 2, as the given profile predicts fastest), and launch rank 2 stands by,
+    heartbeating, out of the world. Rank 1's loss in the checkpoint save of iteration 6 is
+    absorbed by the spare taking its place (substitute: the layout kept, the state from rank 0,
+    its replica), which then saves that checkpoint with rank 0 (the action the failure
+    interrupted), and the job ends with every surviving worker exiting 0, on the failure-free
+    losses."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile(ModelShape(4, 64, 4, 32, 2, 384), layer_fwd_ms=5.0,
+                      layer_bwd_input_ms=5.0, layer_bwd_weight_ms=5.0, head_fwd_ms=2.0,
+                      head_bwd_ms=2.0, p2p_alpha_ms=0.05, p2p_ms_per_mib=0.5,
+                      allreduce_alpha_ms=0.1, allreduce_ms_per_mib=1.0).save(profile)
+    run = run_chameleon(4, common(small_data, 2) + [
+        "--chameleon", "--chameleon-strategy", "restart", "--chameleon-profile", str(profile),
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
+        "--chameleon-inject", "kill:rank=3,iter=2,phase=backward",
+        "--chameleon-inject", "kill:rank=1,iter=6,phase=checkpoint"], tmp_path, name="spare")
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = run.metrics
+    assert_close(last_losses(events), references(2))
+    first, second = [e for e in events if e["event"] == "recovery"]
+    assert (first["strategy"], first["world"], first["spares"]) == ("restart", 2, 1)
+    assert (second["strategy"], second["world"], second["spares"]) == ("substitute", 2, 0)
+    assert second["moved_bytes"] > 0           # the whole model's state, from rank 0
+    assert [e["during"] for e in events if e["event"] == "failure"] == ["step", "checkpoint"]
+    assert (tmp_path / "ckpt" / "iter_0000006" / "meta.json").is_file()
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)
+    assert "launch rank 2 stands by as a spare" in run.stdout
+    assert "launch rank 2 left the spares for the substitute plan" in run.stdout
+    for rank in (0, 2):
+        assert re.search(rf"worker rank {rank} \(pid \d+\) exited 0", run.stderr), \
+            run.stderr[-3000:]
+    assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]

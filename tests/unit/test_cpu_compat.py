@@ -24,6 +24,12 @@ HARD_CODED = {
     "megatron.core.transformer.moe.router":
         "self.weight.data.to(device=torch.cuda.current_device())",
     "megatron.core.transformer.moe.moe_utils": 'torch.zeros(num_layers, device="cuda")',
+    "megatron.core.distributed.distributed_data_parallel":
+        "torch.cuda.Stream(device=torch.cuda.current_device())",
+    "megatron.core.tensor_parallel.mappings":
+        "torch.empty(dim_size, dtype=input_.dtype, device=torch.cuda.current_device())",
+    "megatron.core.tensor_parallel.layers":
+        "dim_size, dtype=input.dtype, device=torch.cuda.current_device(), requires_grad=False",
 }
 
 
@@ -52,3 +58,26 @@ def test_patched_modules_build_on_cpu_and_torch_itself_is_untouched():
     from megatron.core.utils import local_multi_tensor_l2_norm
     norm, _ = local_multi_tensor_l2_norm(0, None, [[torch.ones(4)]], False)
     assert norm.device.type == "cpu" and float(norm) == pytest.approx(2.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the patches are CPU-only")
+def test_distributed_optimizer_shards_cpu_parameters_only_with_the_patch():
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+    p = torch.nn.Parameter(torch.arange(6.0).view(2, 3))
+
+    def arguments():
+        ranges = [{torch.float32: [{"param_map": {p: {"param": Range(2, 5)}}}]}]
+        groups = [{"params": [p], "orig_group": {"params": []}}]
+        config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+        return ranges, {p: (0, torch.float32, 0)}, groups, config
+
+    cpu_compat.apply()
+    original = vars(DistributedOptimizer)["_build_model_and_main_param_groups"].__func__.__wrapped__
+    with pytest.raises(TypeError, match="torch.cuda.FloatTensor"):
+        original(DistributedOptimizer, *arguments())
+    _, models, _, shards, _ = DistributedOptimizer._build_model_and_main_param_groups(
+        *arguments())
+    assert models == [[p]] and shards[0][0].tolist() == [2.0, 3.0, 4.0]
+    assert p.type() == "torch.FloatTensor"  # the parameter answers as before

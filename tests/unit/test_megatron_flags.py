@@ -108,9 +108,13 @@ def test_data_checkpoint_and_logging_flags():
     (["--expert-model-parallel-size", "2", "--num-experts", "4"],
      "--expert-model-parallel-size: expert parallelism"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "interleaved pipelines"),
-    (["--use-distributed-optimizer"], "--use-distributed-optimizer: the sharded optimizer"),
-    (["--overlap-grad-reduce"], "--overlap-grad-reduce:"),
-    (["--sequence-parallel"], "--sequence-parallel: sequence parallelism"),
+    (["--use-distributed-optimizer", "--chameleon"], "--use-distributed-optimizer: not with "
+     "--chameleon yet: recovery of the sharded optimizer state is not built yet"),
+    (["--overlap-grad-reduce", "--chameleon"], "--overlap-grad-reduce: not with --chameleon"),
+    (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
+    (["--num-distributed-optimizer-instances", "2"], "needs --use-distributed-optimizer"),
+    (["--num-distributed-optimizer-instances", "2", "--use-distributed-optimizer"],
+     "--num-distributed-optimizer-instances 2 does not divide the data parallel size 1"),
     (["--fp8-format", "hybrid"], "--fp8-format: fp8"),
     (["--moe-grouped-gemm", "--num-experts", "2"], "--moe-grouped-gemm:"),
     (["--async-save"], "--async-save: saves are synchronous"),
@@ -145,6 +149,13 @@ def test_unsupported_or_inconsistent_flags_are_refused_in_one_line(flags, messag
     assert message in refusal(*flags)
 
 
+def test_distributed_optimizer_flags_reach_the_parallel_config():
+    p = config("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+               "--overlap-grad-reduce", "--overlap-param-gather", world=4).parallel
+    assert (p.distributed_optimizer, p.optimizer_instances, p.overlap_grad_reduce,
+            p.overlap_param_gather) == (True, 2, True, True)
+
+
 def test_megatron_cores_own_refusal_is_one_line():
     from tests.launch import run_script
     r = run_script([*BASE, "--num-experts", "2", "--moe-router-topk", "1",
@@ -153,6 +164,24 @@ def test_megatron_cores_own_refusal_is_one_line():
     assert r.stderr.strip().splitlines() == [
         "pretrain_gpt.py: error: megatron-core refuses the model flags: Please use "
         "--moe-router-pre-softmax when topk is 1."]
+
+
+def test_sequence_parallel_reaches_the_transformer_config():
+    """--sequence-parallel with TP > 1 (off at TP 1, as in Megatron-LM), which lets a mixture of
+    experts run with TP > 1; the sequence must split evenly."""
+    from megatron.training.training import transformer_config
+    job = config("--sequence-parallel", "--tensor-model-parallel-size", "2", world=2)
+    assert job.parallel.sequence_parallel
+    assert transformer_config(job.model, 2, job.parallel.sequence_parallel).sequence_parallel
+    assert not config("--sequence-parallel").parallel.sequence_parallel
+    assert not config("--tensor-model-parallel-size", "2", world=2).parallel.sequence_parallel
+    moe = ("--num-experts", "4", "--disable-bias-linear", "--tensor-model-parallel-size", "2")
+    assert config(*moe, "--sequence-parallel", world=2).parallel.sequence_parallel
+    assert "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel" in \
+        refusal(*moe, world=2)
+    assert "--sequence-parallel needs --seq-length 30 divisible by --tensor-model-parallel-size " \
+        "4" in refusal("--sequence-parallel", "--tensor-model-parallel-size", "4",
+                       "--seq-length", "30", world=4)
 
 
 def test_tensor_parallel_needs_whole_query_groups():

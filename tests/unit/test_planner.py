@@ -448,7 +448,8 @@ def test_the_planner_and_a_forced_strategy_take_the_same_proposal_from_the_regis
     plan, lost, prof = pp4_dp2(), {5}, synthetic()
     ranked = candidates(plan, lost, prof, Situation(
         iteration=10, checkpoint_iteration=5, remaining_iterations=100, failure_free_ms=60.0))
-    assert {c.strategy for c in ranked} >= set(REGISTRY)
+    # every strategy but substitute, offered only where spares wait (tests/unit/test_substitute.py)
+    assert {c.strategy for c in ranked} >= set(REGISTRY) - {"substitute"}
     for c in ranked:
         if c.strategy in REGISTRY:
             assert c.plan == REGISTRY[c.strategy].propose(plan, lost, Context(prof)).plan

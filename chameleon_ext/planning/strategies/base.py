@@ -25,10 +25,12 @@ from chameleon_ext.planning.strategies.redundancy import shadow_pairs
 class Context:
     """`profile`: calibrated for the plan as it runs (at its tensor-parallel degree; its slow
     ranks are the plan's), or None before any calibration; `eager`: stages hold eager
-    redundancy's shadow copies."""
+    redundancy's shadow copies; `spares`: the ranks out of the plan that wait to take a place
+    (strategies.substitute)."""
 
     profile: Profile | None = None
     eager: bool = False
+    spares: int = 0
 
     def after(self, plan: ExecutionPlan, lost: set[int]) -> Profile | None:
         """The profile for a plan over the survivors (slow ranks renumbered as they are)."""
