@@ -41,8 +41,11 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
     chameleon/next_member              counter: a restarted worker's rank is world_size + its
                                        value (set by the agent that restarts it)
     chameleon/joins                    append log "r,r,..." of ranks asking to join
-    chameleon/admission/{n}            JSON {"after": iteration, "joiners": [...]}: the n-th
-                                       admission, at the end of that iteration (its leader)
+    chameleon/admission/{n}            JSON {"after": iteration, "joiners": [...], "action":
+                                       "now"|"checkpoint"}: the n-th admission, at the end of
+                                       that iteration (its leader)
+    chameleon/deferred                 JSON {"iteration", "joiners", "costs"}: the leader's last
+                                       decision to admit nobody yet (rewritten at each boundary)
     chameleon/admit/{rank}             JSON {"generation", "candidates", "admission"}: where a
                                        joiner meets the others
     chameleon/trained                  the last iteration, once the job trained it (its lead): no
@@ -99,6 +102,7 @@ KEY_GENERATION = f"{ROOT}/generation"
 KEY_NEXT_MEMBER = f"{ROOT}/next_member"
 KEY_JOINS = f"{ROOT}/joins"
 KEY_TRAINED = f"{ROOT}/trained"
+KEY_DEFERRED = f"{ROOT}/deferred"
 
 
 def key_admission(n: int) -> str:

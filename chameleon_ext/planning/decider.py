@@ -24,7 +24,7 @@ from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
 from chameleon_ext.plan.placement import spread_over
 from chameleon_ext.planning import planner
 from chameleon_ext.planning.decision import Decision, Switch, Verdict
-from chameleon_ext.planning.perf_model import Profile
+from chameleon_ext.planning.perf_model import Profile, predict_plan
 from chameleon_ext.planning.planner import Situation
 from chameleon_ext.planning.strategies import REGISTRY, Context
 from chameleon_ext.planning.strategies.base import state_survives
@@ -34,10 +34,26 @@ from chameleon_ext.planning.strategies.rejoin import overlay
 @dataclass
 class Planning:
     """What the leader predicts with: the live profile (`profile(plan, launch_ranks)`:
-    calibrated under `plan`, or None) and the job's situation at the interrupted iteration."""
+    calibrated under `plan`, or None), the job's situation at a failure during an iteration
+    (`situation`: counted as one more failure) and before an iteration (`outlook`: no failure
+    counted)."""
 
     profile: Callable[[ExecutionPlan, list[int]], Profile | None]
     situation: Callable[[int], Situation]
+    outlook: Callable[[int], Situation] | None = None
+
+
+@dataclass
+class AdmissionTime:
+    """When the ranks asking to join are admitted: at the end of iteration `after` by `action`
+    ("now": their state from the peers; "checkpoint": from the checkpoint saved at that
+    boundary), or (`after` None) not yet, asked again at the next boundary. `costs`: each
+    action's predicted total over the window (ms; planner.rejoin_choice), empty where the
+    decision is not the planner's."""
+
+    after: int | None
+    action: str
+    costs: dict[str, float]
 
 
 @dataclass
@@ -122,20 +138,57 @@ class Decider:
         self._place_restart(d, plan, set(), launch_ranks)
         return Verdict(d)
 
+    def admission_time(self, plan: ExecutionPlan, launch_ranks: list[int], joiners: list[int],
+                       iteration: int) -> AdmissionTime:
+        """At the boundary after `iteration`: when the `joiners` are admitted. Under `auto`
+        with a live profile, the cycle's objective decides (planner.rejoin_choice) between the
+        earliest admission (the end of the next iteration: every rank must read the schedule
+        before it reaches that boundary), the next periodic checkpoint's boundary (the state
+        read from it: no moves between peers) and not yet; a forced strategy, no profile or a
+        regrowth that does not fill the failure-free plan admits at the earliest."""
+        earliest = AdmissionTime(iteration + 1, "now", {})
+        profile = self._profile(plan, launch_ranks)
+        if self.strategy != "auto" or profile is None or self.planning is None or \
+                self.planning.outlook is None:
+            return earliest
+        grown = self._grown(launch_ranks, launch_ranks + sorted(joiners))
+        members = [launch_ranks.index(r) if r in launch_ranks else None for r in grown]
+        new, lost = overlay(self.target, plan, members)
+        if lost:
+            return earliest
+        # The window starts after the earliest boundary the admission can take.
+        situation = self.planning.outlook(iteration + 2)
+        same_tp = profile.at_tensor_parallel(plan.tensor_parallel)
+        choice = planner.rejoin_choice(
+            plan, predict_plan(plan, same_tp).iteration_ms, new,
+            predict_plan(new, same_tp).iteration_ms,
+            {i: m for i, m in enumerate(members) if m is not None}, profile, situation)
+        after = {"now": iteration + 1, "checkpoint": choice.at_iteration}.get(choice.action)
+        return AdmissionTime(after, choice.action, choice.costs)
+
+    def _grown(self, launch_ranks: list[int], alive: list[int]) -> list[int]:
+        """The stayers of the running plan among `alive`, then as many of the others (joiners,
+        spares) as the failure-free plan has places for, lowest first."""
+        stayers = [r for r in launch_ranks if r in alive]
+        room = self.target.world_size - len(stayers)
+        return stayers + sorted(r for r in alive if r not in launch_ranks)[:room]
+
     def for_admission(self, plan: ExecutionPlan, launch_ranks: list[int], alive: list[int],
-                      iteration: int) -> Verdict:
+                      iteration: int, action: str = "now") -> Verdict:
         """The failure-free plan laid over the grown world (the stayers of `plan` among the
         launch ranks `alive`, then as many of the others, joiners and spares, as it has places
         for, lowest first; the rest stay spares), each stayer on the layers it holds; with
         fewer ranks than that plan, the places nobody takes are absorbed by the strategy as if
-        they had failed."""
-        stayers = [r for r in launch_ranks if r in alive]
-        room = self.target.world_size - len(stayers)
-        grown = stayers + sorted(r for r in alive if r not in launch_ranks)[:room]
+        they had failed. `action` "checkpoint" (admission_time's): every rank reads the
+        checkpoint saved at this boundary instead of moving state between peers."""
+        grown = self._grown(launch_ranks, alive)
         members = [launch_ranks.index(r) if r in launch_ranks else None for r in grown]
         new, lost = overlay(self.target, plan, members)
         profile = self._profile(plan, launch_ranks)   # measured under the plan running now
-        if lost:
+        if action == "checkpoint" and not lost:
+            verdict = Verdict(self._forced("restart", new, new, set(), profile))
+            verdict.decision.members = list(grown)
+        elif lost:
             verdict = self._after_failure(new, lost, iteration, profile)
             if verdict.decision is not None:
                 verdict.decision.members = [

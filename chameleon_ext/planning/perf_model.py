@@ -551,7 +551,7 @@ def predict(plan: ExecutionPlan, schedule: Schedule, profile: Profile,
                 break
             costs = ProfileCosts(plan, profile, load=load)
             res = simulate(plan, schedule, costs, timeline=True, validate=False)
-    return Prediction(res.iteration_time + overhead_ms(profile, costs.load),
+    return Prediction(with_overhead(res.iteration_time, overhead_ms(profile, costs.load)),
                       _memory(plan, res, profile, plan.tensor_parallel), res.bubble_fraction,
                       dict(costs.load))
 
@@ -562,6 +562,14 @@ def overhead_ms(profile: Profile, load: dict[int, float]) -> float:
     if profile.cores <= 0 or not load:
         return profile.iteration_overhead_ms
     return profile.iteration_overhead_ms * sum(load.values()) / len(load)
+
+
+def with_overhead(simulated_ms: float, overhead: float) -> float:
+    """A simulated iteration plus the overhead. A negative overhead (the calibration's: the
+    simulation overshot the plan it was fitted under) takes at most half of it, as the
+    calibration bounds it for that plan: fitted under a plan that simulates long, it would
+    otherwise make a plan that simulates short take negative time."""
+    return simulated_ms + max(overhead, -simulated_ms / 2)
 
 
 def _memory(plan: ExecutionPlan, res: SimResult, profile: Profile,
@@ -640,7 +648,8 @@ def predict_plan(plan: ExecutionPlan, profile: Profile) -> Prediction:
     if part_fb > 0:
         whole_fb = part_fb + sum(fb[q] for q in twin.values())
         bubble = 1.0 - (1.0 - bubble) * len(fb) * whole_fb / (part_fb * len(memory))
-    return Prediction(res.iteration_time + profile.iteration_overhead_ms, memory, bubble)
+    return Prediction(with_overhead(res.iteration_time, profile.iteration_overhead_ms), memory,
+                      bubble)
 
 
 def _representatives(plan: ExecutionPlan, profile: Profile) -> \

@@ -205,6 +205,7 @@ class ElasticManager:
         self.admissions = 0             # admissions of joiners so far (membership key layout)
         self.admitted: set[int] = set()
         self.spares: list[int] = []     # launch ranks alive out of the committed world
+        self._timing: tuple | None = None   # the leader's last rejoin timing it logged
         self.peer_failed = threading.Event()
         self.placeholders: list = []    # a drain's sends, kept until their group is gone
         self._alive_lock = threading.Lock()  # no stale failure may flag the next generation
@@ -353,8 +354,10 @@ class ElasticManager:
             iteration = self.applied
         # The spares wait for this agreement: they are candidates like the members.
         candidates = sorted(set(self.alive) | set(self.spares))
+        action = "now"
         if isinstance(trigger, Admission):
             record = self.members.admissions.admission(self.admissions)
+            action = record["action"]
             candidates = sorted(set(candidates) | set(record["joiners"]))
             if self.launch_rank == min(self.alive):
                 for r in record["joiners"]:
@@ -367,7 +370,8 @@ class ElasticManager:
             lost = {i for i, r in enumerate(self.alive) if r not in ag.alive}
             spares = [r for r in ag.alive if r not in self.alive]
             if isinstance(trigger, Admission):
-                verdict = self.decider.for_admission(plan, self.alive, ag.alive, iteration)
+                verdict = self.decider.for_admission(plan, self.alive, ag.alive, iteration,
+                                                     action)
             elif isinstance(trigger, PlannedSwitch):
                 verdict = self.decider.for_switch(trigger.switch, plan, self.alive, lost,
                                                   iteration, spares)
@@ -586,15 +590,25 @@ class ElasticManager:
         destroy_world()
 
     # ---- rejoin ------------------------------------------------------------------------------
-    def admission_due(self, iteration: int) -> bool:
+    def admission_due(self, iteration: int, plan: ExecutionPlan) -> bool:
         """At the end of `iteration` (every rank, the same answer): whether the ranks that asked
-        to join are admitted now. The leader schedules an admission for the end of the next
-        iteration: every rank reaches that boundary only after that iteration's commit, which
-        needs the leader's vote, cast after it wrote the record."""
+        to join are admitted now. The leader schedules an admission when the decider says
+        (`Decider.admission_time`: the end of the next iteration at the earliest: every rank
+        reaches that boundary only after that iteration's commit, which needs the leader's
+        vote, cast after it wrote the record; or a later checkpoint's; or not yet)."""
         if self.launch_rank == min(self.alive):
-            self.members.admissions.schedule_admission(
-                self.admissions, iteration + 1, self.alive, self.admitted,
-                self.target.tensor_parallel)
+            at = self.members.admissions.schedule_admission(
+                self.admissions, iteration, self.alive, self.admitted,
+                self.target.tensor_parallel,
+                # the spares take places beside the joiners (Decider.for_admission)
+                lambda joiners: self.decider.admission_time(
+                    plan, self.alive, sorted(set(self.spares) | set(joiners)), iteration))
+            if at is not None and at.costs and (at.action, at.after) != self._timing:
+                self._timing = (at.action, at.after)   # one line per change of mind
+                costs = ", ".join(f"{k} {v / 1e3:.1f} s" for k, v in sorted(at.costs.items()))
+                print(f"[chameleon] rejoin after iteration {iteration}: {at.action}"
+                      + (f" (at the end of iteration {at.after})" if at.after else "")
+                      + f"; predicted over the window: {costs}", flush=True)
         return self.members.admissions.admission_due(self.admissions, iteration)
 
     def stop(self) -> None:
@@ -666,7 +680,7 @@ class DisabledManager:
     def trained(self, iteration: int) -> None:
         """No joiner to send away."""
 
-    def admission_due(self, iteration: int) -> bool:
+    def admission_due(self, iteration: int, plan: ExecutionPlan) -> bool:
         return False
 
     def reconfigure(self, trigger: Trigger, plan: ExecutionPlan, enter: Enter) -> Transition:

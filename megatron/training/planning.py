@@ -84,17 +84,24 @@ class JobClock:
     def situation(self, iteration: int) -> Situation:
         """At a failure during `iteration` (counted as one more failure of this job)."""
         self.failures += 1
+        return self.outlook(iteration)
+
+    def outlook(self, iteration: int) -> Situation:
+        """Before `iteration`, with the failures seen so far (at least one expected: the
+        rate of a job that has seen none is its running time so far)."""
         root = self.checkpoint.save or self.checkpoint.load
         ckpt = (checkpointing.latest_iteration(root) or 0) if root else 0
         mtbf = self.mtbf_hours
         if mtbf is None:
-            mtbf = (time.monotonic() - self.started) / 3600.0 / self.failures
+            mtbf = (time.monotonic() - self.started) / 3600.0 / max(self.failures, 1)
         recent = self.iteration_ms[-10:]
         return Situation(iteration=iteration, checkpoint_iteration=ckpt,
                          remaining_iterations=self.train_iters - iteration + 1,
                          mtbf_hours=mtbf,
                          failure_free_ms=statistics.median(recent) if recent else 0.0,
-                         save_interval=self.checkpoint.save_interval or 0,
+                         # periodic saves only where there is somewhere to save
+                         save_interval=(self.checkpoint.save_interval or 0)
+                         if self.checkpoint.save else 0,
                          eager_redundancy=self.eager_redundancy,
                          repair_hours=self.repair_hours())
 

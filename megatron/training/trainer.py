@@ -126,7 +126,8 @@ class Trainer:
                                            elastic.mtbf_hours, elastic.eager,
                                            elastic.repair_minutes)
             self.elastic = ElasticManager(
-                elastic, store, injector, Planning(self.calibration.profile, self.clock.situation),
+                elastic, store, injector, Planning(self.calibration.profile, self.clock.situation,
+                                                  self.clock.outlook),
                 target=plan, backend=config.parallel.backend, placement=config.parallel.placement)
         else:
             self.elastic = DisabledManager(config.parallel.backend)
@@ -345,7 +346,7 @@ class Trainer:
             due.append("exit-check")
         if self.switch is not None and it == self.switch.at_iteration:
             due.append("switch")
-        if self.elastic.admission_due(it):
+        if self.elastic.admission_due(it, self.plan):
             due.append("admit")
         return due
 

@@ -3,10 +3,14 @@ rank; the job reroutes around the loss, admits the newcomer at an iteration boun
 its layers and Adam moments from the replicas, and goes back to the failure-free plan, on the
 failure-free loss trajectory."""
 
+import re
+
 import pytest
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.planning.perf_model import ModelShape
 from tests.launch import SMALL_MODEL, assert_close, last_losses, run_chameleon, run_job
+from tests.profiles import synthetic_profile
 
 pytestmark = pytest.mark.slow
 ITERS = 80  # the restarted worker needs a few seconds to start: the job must outlast them
@@ -127,3 +131,42 @@ def test_a_restart_delay_keeps_the_slot_empty(small_data, tmp_path):
     assert "restarted worker" not in run.stderr
     assert "1 restart(s) still due when the node's last worker ended: dropped" in run.stderr
     assert max(e["iteration"] for e in run.metrics if e["event"] == "iteration") == 12
+
+
+@pytest.mark.timeout(400)
+def test_under_auto_a_rejoin_that_moving_state_would_not_pay_for_is_deferred(small_data,
+                                                                             tmp_path, ref):
+    """The given profile prices moving state between peers at 20 s per MiB and reading a
+    checkpoint at 1 ms per MiB: after rank 3's loss, admitting its restarted slot now (its
+    stage's state from a replica) costs more than it saves, so the leader defers it: to the
+    next periodic save, where every rank reads that checkpoint (a `restart` onto the
+    failure-free plan, nothing moved between peers), or, if the rest of the job is too short
+    to pay even for that, past the end (the joiner leaves with exit 0). Either way the leader
+    says why in one line, and the job keeps the failure-free losses."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile(ModelShape(4, 64, 4, 32, 2, 384), layer_fwd_ms=5.0,
+                      layer_bwd_input_ms=5.0, layer_bwd_weight_ms=5.0, head_fwd_ms=2.0,
+                      head_bwd_ms=2.0, p2p_alpha_ms=0.05, p2p_ms_per_mib=500.0,
+                      allreduce_alpha_ms=0.1, allreduce_ms_per_mib=1.0,
+                      load_ms_per_mib=1.0).save(profile)
+    run = run_chameleon(4, common(small_data) + [
+        "--chameleon", "--chameleon-profile", str(profile), "--save", str(tmp_path / "ckpt"),
+        "--save-interval", "20", "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"],
+        tmp_path, name="deferred", launcher_args=["--max-restarts", "1"], timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "restarted worker rank 3 as rank 4" in run.stderr
+    said = re.findall(r"\[chameleon\] rejoin after iteration \d+: (\w+)[^\n]*; predicted over "
+                      r"the window: [^\n]*now [\d.]+ s, stay [\d.]+ s", run.stdout)
+    assert said and "now" not in said, run.stdout[-3000:]
+    events = run.metrics
+    assert_close(last_losses(events), ref.losses())
+    assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
+    rejoin = [e for e in events if e["event"] == "rejoin"]
+    if rejoin:
+        assert said[-1] == "checkpoint" and len(rejoin) == 1
+        assert rejoin[0]["iteration"] % 20 == 0 and rejoin[0]["strategy"] == "restart"
+        assert rejoin[0]["joined"] == [4] and rejoin[0]["moved_bytes"] == 0
+        assert ExecutionPlan.from_dict(rejoin[0]["plan"]).world_size == 4
+    else:
+        assert said[-1] == "stay"
+        assert re.search(r"worker rank 4 \(pid \d+\) exited 0", run.stderr), run.stderr[-3000:]

@@ -68,6 +68,19 @@ def test_overhead_and_optimizer_add_to_the_iteration():
     assert got == pytest.approx(13.0 + 3.0)
 
 
+def test_a_negative_overhead_never_takes_more_than_half_a_plan_s_time():
+    """A calibration fitted under a plan that simulates long may carry a large negative
+    overhead; a plan that simulates short is predicted at half its simulated time, never at
+    zero or below (which made a restart onto fewer ranks look free)."""
+    plan = pp2()
+    simulated = predict(plan, one_f_one_b(plan), profile()).iteration_ms
+    assert predict(plan, one_f_one_b(plan), profile(iteration_overhead_ms=-2.0)).iteration_ms \
+        == pytest.approx(simulated - 2.0)
+    for prediction in (predict(plan, one_f_one_b(plan), profile(iteration_overhead_ms=-1e4)),
+                       predict_plan(plan, profile(iteration_overhead_ms=-1e4))):
+        assert prediction.iteration_ms == pytest.approx(simulated / 2)
+
+
 def test_ring_allreduce_cost():
     prof = profile(allreduce_alpha_ms=0.01, allreduce_ms_per_mib=2.0)
     assert allreduce_ms(prof, 1, MIB) == 0.0

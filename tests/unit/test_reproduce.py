@@ -17,7 +17,8 @@ from chameleon_ext.planning.planner import STATE_BYTES_PER_PARAM
 from tests.launch import REPO, read_csv
 from tools.reproduce import cluster, executed, simulate, traces
 from tools.reproduce.__main__ import main
-from tools.reproduce.tables import AUTO_TOLERANCE, PAPER_RATIOS, TRACE_MODEL
+from tools.reproduce.tables import (AUTO_TOLERANCE, BEST_FIXED, FIXED_KIND, PAPER_RATIOS,
+                                    TRACE_MODEL, Options, stage_groups, trace_set)
 
 
 @pytest.fixture(scope="module")
@@ -66,25 +67,124 @@ def test_post_recovery_ratios_are_within_the_physically_sane(results):
     assert all(r["status"] == "ok" for r in rows if r["strategy"] == "auto")
 
 
-def test_auto_is_at_least_every_fixed_policy_on_every_trace(results):
-    """On the 3 quick traces, for the trace model at tp 1 and a model at its typical tp."""
+# The quick traces' names up to their seed: Oobleck's and Poisson (random), then the designed.
+RANDOM_TRACES = ("every 1 h", "every 10 min", "Poisson, MTBF 1 h")
+# each designed trace, and the policy it makes wrong (auto beats it by 5% at least)
+DESIGNED = {"one stage's replicas lost for 3 h": "reroute only (ReCycle-like)",
+            "hourly, alternating stages, 5 min repair": "checkpoint-restart (Megatron default)",
+            "around checkpoints": "checkpoint-restart (Megatron default)"}
+
+
+def test_auto_is_at_least_every_fixed_policy_on_every_random_trace(results):
+    """On the 6 quick traces, for the trace model at tp 1 and a model at its typical tp. On the
+    designed traces auto beats the policy each is designed against; elsewhere its greedy
+    choices may trail (the summary's min shows by how much)."""
     rows = read_csv(results / "table2.csv")
     by_trace: dict[tuple[str, str, str], dict[str, float]] = {}
     for r in rows:
-        by_trace.setdefault((r["model"], r["tp"], r["trace"]), {})[r["policy"]] = \
-            float(r["samples/s"])
-    assert len(by_trace) == 6 and {tp for _, tp, _ in by_trace} == {"1", "2"}
-    for trace, tput in by_trace.items():
+        by_trace.setdefault((r["model"], r["tp"], r["trace"].rsplit(", seed ", 1)[0]), {})[
+            r["policy"]] = float(r["samples/s"])
+    assert len(by_trace) == 12 and {tp for _, tp, _ in by_trace} == {"1", "2"}
+    assert {t for _, _, t in by_trace} == {*RANDOM_TRACES, *DESIGNED}
+    for (model, tp, trace), tput in by_trace.items():
         auto = tput.pop("auto (Chameleon)")
         assert len(tput) == 4
+        if trace in DESIGNED:
+            assert auto > 1.05 * tput[DESIGNED[trace]], (model, tp, trace, auto, tput)
+            continue
         for policy, value in tput.items():
             assert auto >= value * (1 - AUTO_TOLERANCE), (trace, policy, auto, value)
     ratios = read_csv(results / "table2_ratios.csv")
     for r in ratios:
+        if not r["trace"].startswith(RANDOM_TRACES):
+            continue
         for key in ("auto / Oobleck-like", "auto / ReCycle-like"):
             assert 1 - AUTO_TOLERANCE <= float(r[key]) < 100, r
         assert float(r["paper: auto / Oobleck"]) == PAPER_RATIOS["oobleck"]
         assert float(r["paper: auto / ReCycle"]) == PAPER_RATIOS["recycle"]
+
+
+def test_table2_ends_with_auto_over_the_best_fixed_policy_from_its_summary(results):
+    summary = read_csv(results / "table2_summary.csv")
+    kinds = {r["trace kind"] for r in summary}
+    assert kinds == {FIXED_KIND, "Poisson, MTBF 1 h", *DESIGNED, "all traces"}
+    assert all(len([r for r in summary if r["trace kind"] == k]) == 5 for k in kinds)
+    for r in summary:
+        assert float(r["min"]) <= float(r["median"]) <= float(r["max"]), r
+    [best] = [r for r in summary if r["trace kind"] == "all traces" and r["ratio"] == BEST_FIXED]
+    assert best["traces"] == "12"
+    last = (results / "table2.md").read_text().rstrip().splitlines()[-1]
+    m = re.fullmatch(r"- auto vs the best fixed policy: min (\d+\.\d{3}), median (\d+\.\d{3}) "
+                     r"over (\d+) traces \(simulated\)", last)
+    assert m, last
+    assert m.groups() == (f"{float(best['min']):.3f}", f"{float(best['median']):.3f}", "12")
+
+
+def _options(seeds: int, span_h: float = 48.0) -> Options:
+    return Options(Path("."), False, "", span_h, 1.0, 1.0, 30.0, 5.0, 0, 0, seeds)
+
+
+def test_the_full_trace_set_has_every_kind_at_each_seed_under_distinct_names():
+    s = cluster.setup(TRACE_MODEL)
+    ks = trace_set(_options(3), s)
+    per_seed = len(traces.FIXED_INTERVALS_H) + 1 + len(DESIGNED)
+    assert len(ks) == 3 * per_seed and len({k.trace.name for k in ks}) == len(ks)
+    assert [k.seed for k in ks] == [seed for seed in range(3) for _ in range(per_seed)]
+    assert {k.kind for k in ks} == {FIXED_KIND, "Poisson, MTBF 1 h", *DESIGNED}
+    assert all(k.trace.span_h == 48.0 for k in ks)
+
+
+@pytest.mark.parametrize("model,tp", [(TRACE_MODEL, 1), ("6.7B", 2), ("13B", 4)])
+def test_a_stage_outage_loses_three_replicas_of_one_stage_within_minutes_for_3_h(model, tp):
+    stages = stage_groups(cluster.setup(model, tp))
+    for seed in range(5):
+        t = traces.stage_outage(stages, 48.0, seed)
+        fails = [e for e in t.events if e.kind == "fail"]
+        [stage] = [j for j, groups in enumerate(stages)
+                   if {e.gpu for e in fails} <= {g for grp in groups for g in grp}]
+        groups = {i for i, grp in enumerate(stages[stage]) for e in fails if e.gpu in grp}
+        assert len(fails) == 3 and len({e.gpu for e in fails}) == 3
+        assert len(groups) == min(3, len(stages[stage]))  # distinct replicas where there are 3
+        assert 2 / 60 <= fails[-1].hour - fails[0].hour <= 10 / 60
+        back = {e.gpu: e.hour for e in t.events if e.kind == "rejoin"}
+        assert all(math.isclose(back[e.gpu] - e.hour, 3.0) for e in fails)
+        assert t.repair_h == 3.0
+
+
+def test_hourly_losses_alternate_between_two_stages_and_are_back_in_5_minutes():
+    stages = stage_groups(cluster.setup(TRACE_MODEL))
+    stage_of = {g: j for j, groups in enumerate(stages) for grp in groups for g in grp}
+    for seed in range(5):
+        t = traces.alternating_stages(stages, 12.0, seed)
+        fails = [e for e in t.events if e.kind == "fail"]
+        assert [e.hour for e in fails] == [float(k) for k in range(1, 12)]
+        visited = [stage_of[e.gpu] for e in fails]
+        assert visited[0] != visited[1] and visited == visited[:2] * 5 + visited[:1]
+        back = {(e.gpu, round(e.hour - 5 / 60, 9)) for e in t.events if e.kind == "rejoin"}
+        assert back == {(e.gpu, round(e.hour, 9)) for e in fails}
+
+
+def assert_up_when_failed_and_back_after(t: traces.Trace, repair_h: float) -> None:
+    """Each failure hits a GPU that is up, and that GPU is back `repair_h` later."""
+    down: dict[int, float] = {}
+    for e in t.events:
+        if e.kind == "fail":
+            assert e.gpu not in down
+            down[e.gpu] = e.hour
+        else:
+            assert math.isclose(e.hour - down.pop(e.gpu), repair_h)
+
+
+@pytest.mark.parametrize("checkpoint_min", [30.0, 60.0, 20.0])
+def test_losses_fall_just_after_then_just_before_a_checkpoint(checkpoint_min):
+    every = checkpoint_min / 60
+    t = traces.around_checkpoints(cluster.GPUS, 48.0, every, 1.0, seed=1)
+    fails = [e for e in t.events if e.kind == "fail"]
+    assert len(fails) >= 48 / 2 - 1  # one every 1.5 h, or every 2 h with hourly checkpoints
+    offsets = [e.hour - round(e.hour / every) * every for e in fails]
+    assert all(math.isclose(x, 2 / 60 if i % 2 == 0 else -2 / 60, abs_tol=1e-9)
+               for i, x in enumerate(offsets))
+    assert_up_when_failed_and_back_after(t, 1.0)
 
 
 def test_memory_estimates_are_positive_and_flag_what_does_not_fit(results):
@@ -108,13 +208,7 @@ def test_without_failures_every_policy_trains_at_its_failure_free_speed():
 
 def test_a_trace_fails_only_gpus_that_are_up_and_brings_each_back_after_its_repair():
     t = traces.fixed_interval(1 / 12, 4, 6.0, 1.0)
-    down: dict[int, float] = {}
-    for e in t.events:
-        if e.kind == "fail":
-            assert e.gpu not in down
-            down[e.gpu] = e.hour
-        else:
-            assert math.isclose(e.hour - down.pop(e.gpu), 1.0)
+    assert_up_when_failed_and_back_after(t, 1.0)
     assert t.failures < 6 * 12  # with all 4 GPUs down, a failure has nothing to hit
     assert traces.poisson(1.0, 32, 24.0, 1.0) == traces.poisson(1.0, 32, 24.0, 1.0)
 
@@ -157,6 +251,7 @@ def test_a_bad_table_name_is_one_line_and_exit_2():
     (["table2", "--repair-h", "soon"], "is not a number"),
     (["all", "--seed", "x"], "invalid int value"),
     (["table2", "--executed-ranks", "3"], "--executed-ranks 3: 0, or an even number"),
+    (["table2", "--seeds", "0"], "--seeds 0: at least 1"),
     ([], "the following arguments are required"),
 ])
 def test_bad_flag_values_are_one_line_and_exit_2(capsys, argv, says):

@@ -54,7 +54,7 @@ def parser() -> _Parser:
     p.add_argument("--quick", action="store_true", help="the small version the tests run")
     g = p.add_argument_group("table 2 (failure traces)")
     g.add_argument("--span-h", type=_number(0, True), default=None,
-                   help="hours of training simulated (default 24; 3 with --quick)")
+                   help="hours of training simulated (default 48, the paper's; 3 with --quick)")
     g.add_argument("--mtbf-h", type=_number(0, True), default=1.0,
                    help="mean time between failures of the Poisson trace (default 1)")
     g.add_argument("--repair-h", type=_number(0, False), default=1.0,
@@ -64,6 +64,9 @@ def parser() -> _Parser:
     g.add_argument("--restart-min", type=_number(0, False), default=5.0,
                    help="minutes a relaunch of the job takes, Megatron's restart (default 5)")
     g.add_argument("--seed", type=int, default=0, help="of the traces' failed GPUs")
+    g.add_argument("--seeds", type=int, default=None, metavar="N",
+                   help="simulated traces of each kind, seeds SEED to SEED + N - 1 (default "
+                        "20, the paper's; 1 with --quick)")
     g.add_argument("--executed-ranks", type=int, default=8, metavar="N",
                    help="ranks of the traces executed by real jobs on emulated devices "
                         "(4 to 32, even; default 8; 0: the simulated traces only)")
@@ -93,11 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.executed_ranks and not (4 <= args.executed_ranks <= 32
                                     and args.executed_ranks % 2 == 0):
         p.error(f"--executed-ranks {args.executed_ranks}: 0, or an even number from 4 to 32")
+    if args.seeds is not None and args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     options = Options(args.out, args.quick, _command(argv),
-                      args.span_h or (3.0 if args.quick else 24.0), args.mtbf_h, args.repair_h,
+                      args.span_h or (3.0 if args.quick else 48.0), args.mtbf_h, args.repair_h,
                       args.checkpoint_min, args.restart_min, args.seed,
-                      args.executed_ranks)
+                      args.executed_ranks, args.seeds or (1 if args.quick else 20))
     ctx = Context(options)
     try:
         for name in dict.fromkeys(names):
