@@ -151,9 +151,8 @@ class Decider:
         if self.strategy != "auto" or profile is None or self.planning is None or \
                 self.planning.outlook is None:
             return earliest
-        grown = self._grown(launch_ranks, launch_ranks + sorted(joiners))
-        members = [launch_ranks.index(r) if r in launch_ranks else None for r in grown]
-        new, lost = overlay(self.target, plan, members)
+        grown, members, new, lost = self._regrown(plan, launch_ranks,
+                                                   launch_ranks + sorted(joiners))
         if lost:
             return earliest
         # The window starts after the earliest boundary the admission can take.
@@ -166,12 +165,18 @@ class Decider:
         after = {"now": iteration + 1, "checkpoint": choice.at_iteration}.get(choice.action)
         return AdmissionTime(after, choice.action, choice.costs)
 
-    def _grown(self, launch_ranks: list[int], alive: list[int]) -> list[int]:
-        """The stayers of the running plan among `alive`, then as many of the others (joiners,
-        spares) as the failure-free plan has places for, lowest first."""
+    def _regrown(self, plan: ExecutionPlan, launch_ranks: list[int], alive: list[int]
+                 ) -> tuple[list[int], list[int | None], ExecutionPlan, set[int]]:
+        """The grown world: the stayers of `plan` among `alive`, then as many of the others
+        (joiners, spares) as the failure-free plan has places for, lowest first; each one's
+        rank in `plan` (None: a newcomer); and the failure-free plan laid over them (overlay:
+        its places nobody takes)."""
         stayers = [r for r in launch_ranks if r in alive]
         room = self.target.world_size - len(stayers)
-        return stayers + sorted(r for r in alive if r not in launch_ranks)[:room]
+        grown = stayers + sorted(r for r in alive if r not in launch_ranks)[:room]
+        members = [launch_ranks.index(r) if r in launch_ranks else None for r in grown]
+        new, lost = overlay(self.target, plan, members)
+        return grown, members, new, lost
 
     def for_admission(self, plan: ExecutionPlan, launch_ranks: list[int], alive: list[int],
                       iteration: int, action: str = "now") -> Verdict:
@@ -181,9 +186,7 @@ class Decider:
         fewer ranks than that plan, the places nobody takes are absorbed by the strategy as if
         they had failed. `action` "checkpoint" (admission_time's): every rank reads the
         checkpoint saved at this boundary instead of moving state between peers."""
-        grown = self._grown(launch_ranks, alive)
-        members = [launch_ranks.index(r) if r in launch_ranks else None for r in grown]
-        new, lost = overlay(self.target, plan, members)
+        grown, _, new, lost = self._regrown(plan, launch_ranks, alive)
         profile = self._profile(plan, launch_ranks)   # measured under the plan running now
         if action == "checkpoint" and not lost:
             verdict = Verdict(self._forced("restart", new, new, set(), profile))
