@@ -165,7 +165,11 @@ def test_under_auto_a_rejoin_that_moving_state_would_not_pay_for_is_deferred(sma
     if rejoin:
         assert said[-1] == "checkpoint" and len(rejoin) == 1
         assert rejoin[0]["iteration"] % 20 == 0 and rejoin[0]["strategy"] == "restart"
-        assert rejoin[0]["joined"] == [4] and rejoin[0]["moved_bytes"] == 0
+        # the restarted rank, and the spares auto's recovery left out (a restart onto fewer
+        # ranks, depending on the calibration) take their places too
+        spares = next(e for e in events if e["event"] == "recovery")["spares"]
+        assert 4 in rejoin[0]["joined"] and len(rejoin[0]["joined"]) == 1 + spares
+        assert rejoin[0]["moved_bytes"] == 0
         assert ExecutionPlan.from_dict(rejoin[0]["plan"]).world_size == 4
     else:
         assert said[-1] == "stay"
