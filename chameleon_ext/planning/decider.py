@@ -28,6 +28,7 @@ from chameleon_ext.planning.perf_model import Profile, predict_plan
 from chameleon_ext.planning.planner import Situation
 from chameleon_ext.planning.strategies import REGISTRY, Context
 from chameleon_ext.planning.strategies.base import state_survives
+from chameleon_ext.plan.sharding import instances_for, lost_shards
 from chameleon_ext.planning.strategies.rejoin import overlay
 
 
@@ -65,6 +66,10 @@ class Decider:
     placement: str = "megatron"         # --chameleon-placement
     # launch ranks -> their nodes (store.nodes_from_store over the job's store)
     nodes: Callable[[list[int]], dict[int, int]] | None = None
+    # the distributed optimizer's instances (--num-distributed-optimizer-instances); 0: the
+    # optimizer's state is replicated whole over each stage's replicas, not sharded
+    sharded: int = 0
+    buddy: bool = False                 # --chameleon-shard-redundancy buddy: shards held twice
 
     def after_failure(self, plan: ExecutionPlan, launch_ranks: list[int], lost: set[int],
                       iteration: int, spares: list[int] = ()) -> Verdict:
@@ -79,12 +84,14 @@ class Decider:
         # Every plan runs on whole tensor-parallel groups, numbered in their old order: a lost
         # rank's healthy siblings are not members (they leave, or stay spares).
         used = plan.survivors(lost, d.plan.world_size)
-        if not d.restarts and not state_survives(plan, set(plan.ranks) - set(used), self.eager):
+        why = None if d.restarts else self._state_lost(plan, set(plan.ranks) - set(used))
+        if why is not None:
             # Spares leave with their state: a plan that carries the state must hold it all.
             new, _ = self._restart(plan, lost, profile)
             if new is None:
                 return self._none(lost, plan.world_size - len(lost))
             d = self._forced("restart", new, plan, lost, profile)
+            d.why = why
             verdict = Verdict(d)
             used = plan.survivors(lost, d.plan.world_size)
         # A substitute's places past the survivors' are the spares', in order.
@@ -96,17 +103,24 @@ class Decider:
     def _after_failure(self, plan: ExecutionPlan, lost: set[int], iteration: int,
                        profile: Profile | None, spares: int = 0) -> Verdict:
         survivors = plan.world_size - len(lost)
-        if not state_survives(plan, lost, self.eager):
-            # Every holder of some layer is gone: only a checkpoint has it.
+        why = self._state_lost(plan, lost)
+        if why is not None:
+            # Only a checkpoint has the state.
             new, _ = self._restart(plan, lost, profile)
             if new is None:
                 return self._none(lost, survivors)
-            return Verdict(self._forced("restart", new, plan, lost, profile))
+            d = self._forced("restart", new, plan, lost, profile)
+            d.why = why
+            return Verdict(d)
         if self.strategy in ("auto", "reroute+restart") and profile is not None:
             ranked = planner.candidates(plan, lost, profile, self.planning.situation(iteration),
                                         planner.STRATEGIES if self.strategy == "auto"
                                         else (self.strategy, "substitute"), spares)
-            best = planner.choose(ranked)
+            # A plan that leaves out a state's last holder (a shard's: spares drop their state)
+            # would restart from the checkpoint after all: the next one is taken instead.
+            best = planner.choose([c for c in ranked if c.strategy == "restart" or
+                                   self._state_lost(plan, set(plan.ranks) - set(
+                                       plan.survivors(lost, c.plan.world_size))) is None])
             if best is not None:
                 return Verdict(Decision(
                     best.strategy, best.plan, best.iteration_ms,
@@ -247,6 +261,36 @@ class Decider:
             decision.predicted_iter_ms = ranked.iteration_ms
             decision.candidates, decision.profile = [ranked.summary()], profile.source
         return decision
+
+    def onto_spares(self, spares: list[int], generation: int) -> Verdict:
+        """Every rank of the plan is lost while `spares` (launch ranks that hold no state) stand
+        by: a restart from the latest checkpoint onto the failure-free plan, or onto the
+        largest homogeneous plan of it that the spares fill, numbered at `generation`."""
+        target = self.target
+        if target is None:
+            return Verdict(unrecoverable="every rank holding the model's state was lost while "
+                                         "spares stood by")
+        lost = set(range(len(spares), target.world_size))
+        new, _ = self._restart(target, lost, None) if lost else (target, "restart")
+        if new is None:
+            return self._none(set(target.ranks), len(spares))
+        d = Decision("restart", new.relabelled({r: r for r in new.ranks}, generation),
+                     members=list(spares[:new.world_size]),
+                     why="every rank of the plan was lost; the spares read the checkpoint")
+        return Verdict(d)
+
+    def _state_lost(self, plan: ExecutionPlan, lost: set[int]) -> str | None:
+        """Why the ranks of `plan` outside `lost` do not hold the whole training state, if
+        they do not."""
+        if not state_survives(plan, lost, self.eager):
+            return "every holder of some layer's state is lost"
+        gone = lost_shards(plan, lost, self.sharded, self.buddy) if self.sharded else []
+        if gone:
+            return (f"the distributed optimizer's shard held by rank(s) {list(gone[0])} is lost"
+                    + (f" with {len(gone) - 1} more" if len(gone) > 1 else "")
+                    + f" ({instances_for(plan, self.sharded)} instance(s)"
+                    + (", buddy copies" if self.buddy else "") + ", no other copy)")
+        return None
 
     @staticmethod
     def _none(lost: set[int], survivors: int) -> Verdict:

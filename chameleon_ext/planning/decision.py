@@ -62,6 +62,7 @@ class Decision:
     members: list[int] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
     admissions: int = 0
+    why: str | None = None      # why a restart was the only choice (the state is gone)
 
     @property
     def restarts(self) -> bool:
@@ -75,7 +76,7 @@ class Decision:
                 "candidates": self.candidates, "profile": self.profile,
                 "scheduler": self.scheduler, "consumed_samples": self.consumed_samples,
                 "joined": self.joined, "members": self.members, "pending": self.pending,
-                "admissions": self.admissions}
+                "admissions": self.admissions, "why": self.why}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
@@ -84,7 +85,8 @@ class Decision:
                    list(d.get("candidates") or []), d.get("profile"), d.get("scheduler"),
                    d.get("consumed_samples"), [int(r) for r in d.get("joined") or []],
                    [int(r) for r in d.get("members") or []],
-                   [str(a) for a in d.get("pending") or []], int(d.get("admissions") or 0))
+                   [str(a) for a in d.get("pending") or []], int(d.get("admissions") or 0),
+                   d.get("why"))
 
 
 @dataclass

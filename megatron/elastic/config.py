@@ -17,6 +17,7 @@ from megatron.elastic.emulation import STORAGE_MIB_PER_S
 Strategy = Literal["auto", "reroute", "takeover", "reparallelize", "restart", "reroute+restart",
                    "substitute"]
 Redundancy = Literal["none", "eager"]
+ShardRedundancy = Literal["none", "buddy"]
 Executor = Literal["ir", "megatron-core"]
 
 
@@ -109,6 +110,9 @@ class ElasticConfig:
     strategy: Strategy = "auto"              # --chameleon-strategy (its --help says each one)
     # --chameleon-redundancy: eager keeps each stage's state on an adjacent stage too
     redundancy: Redundancy = "none"
+    # --chameleon-shard-redundancy: buddy keeps each distributed-optimizer shard on a second
+    # rank of its replica group too (megatron.elastic.buddy_copies)
+    shard_redundancy: ShardRedundancy = "none"
     # --chameleon-mtbf: the planner's horizon (None: the failure rate observed in this job)
     mtbf_hours: float | None = None
     # --chameleon-repair-minutes: how long a lost slot takes to come back (None: the launcher's

@@ -192,6 +192,8 @@ class ElasticManager:
     target: ExecutionPlan               # the failure-free plan: where a rejoin goes back to
     backend: str                        # --distributed-backend of every world it builds
     placement: str = "megatron"         # --chameleon-placement
+    # the distributed optimizer's instances; 0: the optimizer's state is not sharded
+    sharded: int = 0
 
     def __post_init__(self) -> None:
         self.members = Membership.from_env(self.store, self.config.timeouts.heartbeat_s)
@@ -212,7 +214,9 @@ class ElasticManager:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.decider = Decider(self.config.strategy, self.config.eager, planning=self.planning,
-                               target=self.target, placement=self.placement, nodes=self._nodes)
+                               target=self.target, placement=self.placement, nodes=self._nodes,
+                               sharded=self.sharded,
+                               buddy=self.config.shard_redundancy == "buddy")
 
     def _nodes(self, ranks: list[int]) -> dict[int, int]:
         # Every launch rank has its launcher's record before it starts: 5 s is ample.
@@ -447,9 +451,8 @@ class ElasticManager:
                             f"{self.launch_rank} stood by as a spare")
 
         def decide(ag: Agreement) -> Verdict:
-            # A spare leads only when no rank holding state arrived.
-            return Verdict(unrecoverable="every rank holding the model's state was lost while "
-                                         "spares stood by")
+            # A spare leads only when no rank holding state arrived: only a checkpoint has it.
+            return self.decider.onto_spares(sorted(ag.alive), ag.generation)
 
         return self._transact(generation, sorted(set(members) | set(self.spares)), decide,
                               enter, 0, time.time())

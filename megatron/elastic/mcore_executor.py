@@ -31,10 +31,7 @@ class MegatronCoreExecutor(Executor):
 
     def run(self, ops: list[Op], iteration: int) -> StepResult:
         rt = self.rt
-        rt.model.zero_grad_buffer()
-        rt.optimizer.zero_grad()
-        self._loss_sum.zero_()
-        self._samples = 0
+        self.refresh()
         mbs = rt.plan.pipeline_of(rt.rank).micro_batches
         seq, mbsize, _ = rt.activation_shape
         if rt.module.config.sequence_parallel:

@@ -10,13 +10,18 @@ has three parts, and only the middle one talks to other ranks:
    duplicate, so every parameter of the model counts once over the world).
 2. the commit (the executor's): one all-reduce over the world carries the norm parts with the
    loss, then every rank votes on the store (chameleon_ext.control.step_vote.StepVote.commit).
-3. `apply`: local. Clip by the global norm and step (`step_with_ready_grads`).
+3. `apply`: local. Clip by the global norm and step (`step_with_ready_grads`). The distributed
+   optimizer steps this rank's shard only: megatron-core's all-gather of the stepped shards
+   waits for the next iteration (sharded_state.step_locally, gather_parameters).
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.optimizer import optimizer as mcore_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from megatron.elastic import sharded_state
 
 
 def _optimizers(optimizer) -> list:
@@ -48,4 +53,8 @@ def apply(optimizer, total_norm: float, clip_grad: float) -> bool:
                 mcore_optimizer.clip_grad_by_total_norm_fp32(
                     params, clip_grad, total_norm,
                     o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-    return optimizer.step_with_ready_grads()
+    ok = True
+    for o in _optimizers(optimizer):
+        ok &= sharded_state.step_locally(o) if isinstance(o, DistributedOptimizer) \
+            else o.step_with_ready_grads()
+    return ok

@@ -35,6 +35,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.plan.sharding import instance_groups
 
 
 @dataclass
@@ -83,19 +84,8 @@ def _own_stages(p) -> list:
     return [st for st in p.stages if st.ranks]
 
 
-def instance_groups(dp: list[int], rank: int, instances: int) -> tuple[list[int], list[int]]:
-    """`rank`'s distributed-optimizer groups within its replica group `dp`: its chunk of
-    `instances` consecutive chunks (intra) and the ranks at its place in every chunk (inter)."""
-    if len(dp) % instances:
-        raise ValueError(f"{instances} distributed-optimizer instances do not divide the "
-                         f"replica group {dp}")
-    size = len(dp) // instances
-    i = dp.index(rank)
-    return dp[i // size * size:(i // size + 1) * size], dp[i % size::size]
-
-
 def _instance_of(plan: ExecutionPlan, rank: int, instances: int) -> int:
-    dp = plan.replicas(rank)
+    dp = sorted(plan.replicas(rank))
     return dp.index(rank) // (len(dp) // instances)
 
 
@@ -118,7 +108,9 @@ def _layout(plan: ExecutionPlan, rank: int, instances: int = 1) -> dict[str, lis
                 "mp": plan.ranks, "dp": [rank], "tp_dp": list(stage.ranks), "embd": [],
                 "single": [rank]}
     embd = next((g for g in embedding_groups(plan, t) if rank in g), [])
-    dp = plan.replicas(rank)
+    # ascending, as torch numbers a group's ranks: the distributed optimizer's shard i is the
+    # group's rank i, and its instances are chunks in this order (as in sharding.py)
+    dp = sorted(plan.replicas(rank))
     sharding = {}
     if instances > 1:
         intra, inter = instance_groups(dp, rank, instances)

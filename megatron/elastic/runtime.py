@@ -18,10 +18,12 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.plan.sharding import instances_for
 from chameleon_ext.planning.strategies import redundancy
 from chameleon_ext.schedule.choice import choose_schedule
 from chameleon_ext.schedule.ir import OpKind, Schedule, forward_only
 from megatron.elastic import grad_reduction, parallel_state, stage_model, state_transfer, wgrad
+from megatron.elastic.buddy_copies import BuddyCopies
 from megatron.elastic.memory_meter import MemoryMeter
 from megatron.elastic.emulation import Emulation
 from megatron.elastic.schedules import ComputeClock, Executor, StageRuntime, StepHooks
@@ -53,6 +55,7 @@ class DataParallel:
     instances: int = 1                   # --num-distributed-optimizer-instances (each shards once)
     overlap_grad_reduce: bool = False    # --overlap-grad-reduce: reduced in the backward's hooks
     overlap_param_gather: bool = False   # --overlap-param-gather: gathered in the next forward
+    buddy: bool = False                  # --chameleon-shard-redundancy buddy: shards held twice
 
 
 @dataclass
@@ -106,6 +109,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     schedule = choose_schedule(plan)
     split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
     sharding = spec.data_parallel
+    if sharding.distributed_optimizer:
+        sharding = replace(sharding, instances=instances_for(plan, sharding.instances))
     groups = parallel_state.initialize(plan, rank, timeout, spec.rendezvous, sharding.instances)
     stage = plan.stage_of(rank)
     pos = plan.position(rank)
@@ -195,6 +200,9 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         every_stage_reads=spec.every_stage_reads)
     if spec.measure_memory:
         rt.memory = MemoryMeter(module, first, last)
+    if sharding.buddy and sharding.distributed_optimizer:
+        rt.buddy = BuddyCopies(optimizer,
+                               lambda: state_transfer.named_parameters(rt, tied_embeddings))
     pairs = redundancy.shadow_pairs(plan) if spec.eager else []
     if pairs:
         rt.shadows = Shadows(rt, tied_embeddings, pairs)
@@ -202,8 +210,10 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     if carried is not None:
         if on_transfer:
             on_transfer()
+        named = state_transfer.named_parameters(rt, tied_embeddings)
         received = state_transfer.fetch_missing(
-            carried, state_transfer.named_parameters(rt, tied_embeddings))
+            carried, state_transfer.wanted(rt, tied_embeddings),
+            {name: p.dtype for name, p in named.items()}, next(module.parameters()).device)
         state_transfer.restore(carried, rt, tied_embeddings)
     if spec.executor == "megatron-core":
         from megatron.elastic.mcore_executor import MegatronCoreExecutor

@@ -27,7 +27,7 @@ from megatron.core.distributed.finalize_model_grads import (
 from chameleon_ext.comm import packed as comm
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.schedule.ir import COMPUTE, RECV_OF, FusedMessage, Op, OpKind, Schedule
-from megatron.elastic import optimizer_step
+from megatron.elastic import optimizer_step, sharded_state
 from megatron.elastic.emulation import EmulatedDevice
 from megatron.elastic.grad_reduction import GradReduction
 from megatron.elastic.wgrad import WeightGradStore
@@ -127,6 +127,10 @@ class StageRuntime:
     # Every stage reads the batch (--reset-attention-mask: each layer needs the documents'
     # attention mask); else only the first (tokens) and the last (labels).
     every_stage_reads: bool = False
+    # The distributed optimizer stepped this rank's shards after the last gather of the whole
+    # parameters (sharded_state.gather_parameters brings the other replicas' shards).
+    params_behind: bool = False
+    buddy: object | None = None    # megatron.elastic.buddy_copies.BuddyCopies
     first: bool = field(init=False)
     last: bool = field(init=False)
 
@@ -162,21 +166,9 @@ class Executor:
 
     def run(self, ops: list[Op], iteration: int) -> StepResult:
         rt = self.rt
-        rt.model.zero_grad_buffer()
-        rt.optimizer.zero_grad()
-        self._loss_sum.zero_()
-        self._samples = 0
         self._sends, self._recvs = self._fused_sends, self._fused_recvs
         self._position, self._started = 0, False  # a failed refresh drains the whole list
-        if rt.shadows is not None:
-            timer = rt.timers(SHADOW_SYNC, log_level=2) if rt.timers else None
-            if timer:
-                timer.start()
-            try:
-                rt.shadows.sync()
-            finally:
-                if timer:
-                    timer.stop()
+        self.refresh()
         result: tuple = (True, None)
         totals = (float("nan"), 0)
         for self._position, op in enumerate(ops):
@@ -187,6 +179,8 @@ class Executor:
             if op.kind is OpKind.OPT_STEP:
                 self._check_finished()
                 norm_sq = self._timed(timer, iteration, optimizer_step.prepare, rt.optimizer)
+                if rt.buddy is not None:
+                    rt.buddy.send_gradients()   # before the commit: a loss here aborts the step
                 # The commit: outside the optimizer's timer (it waits for the slowest rank).
                 totals, norm = self._commit(iteration, norm_sq)
                 result = self._timed(timer, iteration, self._apply_step, norm)
@@ -207,6 +201,30 @@ class Executor:
         ok, norm = result
         loss, samples = totals
         return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok), samples=samples)
+
+    def refresh(self) -> None:
+        """What an iteration needs before its first op, collectives included: the whole
+        parameters (the distributed optimizer's shards stepped last iteration; with
+        --overlap-param-gather the forwards' hooks gather them), zeroed gradients, and eager
+        redundancy's shadow copies."""
+        rt = self.rt
+        if not rt.model.ddp_config.overlap_param_gather:
+            sharded_state.gather_parameters(rt)
+        if rt.buddy is not None and not rt.buddy.ready:
+            rt.buddy.setup()   # after any restore or load, with the whole parameters current
+        rt.model.zero_grad_buffer()
+        rt.optimizer.zero_grad()
+        self._loss_sum.zero_()
+        self._samples = 0
+        if rt.shadows is not None:
+            timer = rt.timers(SHADOW_SYNC, log_level=2) if rt.timers else None
+            if timer:
+                timer.start()
+            try:
+                rt.shadows.sync()
+            finally:
+                if timer:
+                    timer.stop()
 
     def _timed(self, timer, iteration: int, fn, *args):
         rt = self.rt
@@ -318,6 +336,7 @@ class Executor:
                  iterations) -> float:
         """Mean loss of forward-only `ops` over the given iterations of `get_batch`'s data."""
         rt = self.rt
+        sharded_state.gather_parameters(rt)
         train_get, rt.get_batch = rt.get_batch, get_batch
         self._sends, self._recvs = {}, {}
         rt.model.eval()
@@ -474,6 +493,9 @@ class Executor:
     def _apply_step(self, grad_norm: float) -> tuple:
         began = time.perf_counter()
         ok = optimizer_step.apply(self.rt.optimizer, grad_norm, self.rt.clip_grad)
+        self.rt.params_behind = sharded_state.is_sharded(self.rt.optimizer)
+        if self.rt.buddy is not None:
+            self.rt.buddy.step(grad_norm, self.rt.clip_grad)
         if self.rt.shadows is not None:
             self.rt.shadows.stepped()
         if ok:

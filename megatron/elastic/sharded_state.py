@@ -34,13 +34,13 @@ class _Slice:
     end: int
 
 
-def _distributed(optimizer) -> list[DistributedOptimizer]:
+def distributed(optimizer) -> list[DistributedOptimizer]:
     return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
             if isinstance(o, DistributedOptimizer)]
 
 
 def is_sharded(optimizer) -> bool:
-    return bool(_distributed(optimizer))
+    return bool(distributed(optimizer))
 
 
 def _params(o: DistributedOptimizer) -> list[torch.nn.Parameter]:
@@ -50,7 +50,8 @@ def _params(o: DistributedOptimizer) -> list[torch.nn.Parameter]:
 
 
 def _slices(o: DistributedOptimizer) -> list[_Slice]:
-    """This rank's slices: the parameters whose flattened range meets its part of a bucket."""
+    """This rank's slices in `o`: the parameters whose flattened range meets its part of a
+    bucket."""
     out = []
     for models, shards in zip(o.model_fp32_groups, o.shard_fp32_groups):
         for param, shard in zip(models, shards):
@@ -66,7 +67,7 @@ def whole_state(optimizer, names: dict[int, str], gathered: bool
     values (collective over each replica group; zeros and step 0 before the first step);
     else zeroed tensors of the right shapes, for a load to fill."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for o in _distributed(optimizer):
+    for o in distributed(optimizer):
         params = _params(o)
         sizes = [p.numel() for p in params]
         device = params[0].device if params else None
@@ -100,7 +101,7 @@ def load_slices(optimizer, names: dict[int, str],
                 whole: dict[str, dict[str, torch.Tensor]]) -> None:
     """Each rank's slices of the whole tensors `whole` (whole_state's keys) into its
     optimizer's state."""
-    for o in _distributed(optimizer):
+    for o in distributed(optimizer):
         for s in _slices(o):
             src = whole[names[id(s.param)]]
             state = o.optimizer.state[s.shard]
@@ -110,9 +111,29 @@ def load_slices(optimizer, names: dict[int, str],
                           for key in MOMENTS})
 
 
-def gather_parameters(model) -> None:
-    """With --overlap-param-gather the shards stepped by the other replicas reach this rank's
-    parameters only in the next forward's hooks: whatever reads whole parameters between steps
-    (a checkpoint) gathers them first (collective over each replica group)."""
-    if model.ddp_config.use_distributed_optimizer and model.ddp_config.overlap_param_gather:
-        model.start_param_sync(force_sync=True)
+def slice_states(optimizer) -> list[tuple[_Slice, dict]]:
+    """This rank's slices, each with its optimizer's state (empty before the first step; the
+    dict itself, for a restore to fill)."""
+    return [pair for o in distributed(optimizer) for pair in slice_states_of(o)]
+
+
+def slice_states_of(o: DistributedOptimizer) -> list[tuple[_Slice, dict]]:
+    """slice_states of one distributed optimizer."""
+    return [(s, o.optimizer.state[s.shard]) for s in _slices(o)]
+
+
+def step_locally(o: DistributedOptimizer) -> bool:
+    """megatron-core's step of this rank's shard, without the all-gather of the stepped shards
+    that ends DistributedOptimizer.step_with_ready_grads: after a step's commit no rank may
+    wait on another (a rank lost then would leave the survivors half stepped), so the gather
+    is left to whatever reads whole parameters next (gather_parameters)."""
+    return super(DistributedOptimizer, o).step_with_ready_grads()
+
+
+def gather_parameters(rt) -> None:
+    """Bring the shards the replicas stepped into this rank's whole parameters (collective
+    over each replica group), if a step left them behind (`rt.params_behind`): before the
+    next iteration's forwards, an evaluation, a checkpoint or the replica check."""
+    if rt.params_behind:
+        rt.model.start_param_sync(force_sync=True)
+        rt.params_behind = False

@@ -17,8 +17,8 @@ from typing import Callable, get_args
 from chameleon_ext.control.keys import DEFAULT_HEARTBEAT_TIMEOUT, HEARTBEAT_ENV
 from chameleon_ext.control.faults import FaultSpecError, parse_injects
 from chameleon_ext.planning.perf_model import Profile, ProfileError
-from megatron.elastic.config import (ConfigError, ElasticConfig, Executor, Redundancy, Strategy,
-                                     Timeouts)
+from megatron.elastic.config import (ConfigError, ElasticConfig, Executor, Redundancy,
+                                     ShardRedundancy, Strategy, Timeouts)
 from megatron.elastic.emulation import STORAGE_MIB_PER_S
 from megatron.training.batch_ramp import BatchRamp
 from megatron.training.config import (AttentionBackend, Backend, CheckpointConfig, DataConfig, JobConfig,
@@ -335,6 +335,12 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--chameleon-redundancy", choices=get_args(Redundancy), default="none",
                    help="eager: every stage's parameters and optimizer state are also held by an "
                         "adjacent stage (refreshed every iteration), so a takeover moves no state")
+    g.add_argument("--chameleon-shard-redundancy", choices=get_args(ShardRedundancy),
+                   default="none",
+                   help="buddy: with --use-distributed-optimizer, each rank also keeps the shard "
+                        "of the rank before it in its replica group, stepped in lockstep from the "
+                        "gradient it sends before each step's commit, so that a lost rank's shard "
+                        "survives with one instance")
     g.add_argument("--chameleon-inject", action="append", default=[], metavar="SPEC",
                    help="inject a failure, e.g. kill:rank=3,iter=5,phase=backward; several: "
                         "repeat the flag or separate specs with ';' (kinds kill, exit, hang, "
@@ -471,6 +477,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         elastic=ElasticConfig(
             enabled=args.chameleon, strategy=args.chameleon_strategy,
             redundancy=args.chameleon_redundancy, mtbf_hours=args.chameleon_mtbf,
+            shard_redundancy=args.chameleon_shard_redundancy,
             repair_minutes=args.chameleon_repair_minutes,
             profile=args.chameleon_profile, emulate=args.chameleon_emulate,
             emulate_storage_mib_per_s=args.chameleon_emulate_storage,
@@ -635,6 +642,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
          f"size {dp}")
     need(not args.overlap_param_gather or args.use_distributed_optimizer,
          "--overlap-param-gather needs --use-distributed-optimizer")
+    need(args.chameleon_shard_redundancy == "none" or
+         (args.use_distributed_optimizer and args.chameleon),
+         "--chameleon-shard-redundancy buddy needs --use-distributed-optimizer and --chameleon")
 
     need(args.tokenizer_type in TOKENIZER_TYPES,
          f"unknown --tokenizer-type {args.tokenizer_type!r}; choose one of "
@@ -733,12 +743,12 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
     ("--num-virtual-stages-per-pipeline-rank",
      lambda a: a.num_virtual_stages_per_pipeline_rank is not None,
      "interleaved pipelines are not supported yet"),
-    ("--use-distributed-optimizer", lambda a: a.use_distributed_optimizer and a.chameleon,
-     "not with --chameleon yet: recovery of the sharded optimizer state is not built yet "
-     "(recovery copies each layer's whole state from a replica)"),
-    ("--use-distributed-optimizer", lambda a: a.use_distributed_optimizer and a.chameleon_plan,
-     "not with --chameleon-plan: the state is sharded over whole-stage replicas of Megatron's "
-     "grid, which a given plan need not have"),
+    ("--overlap-param-gather", lambda a: a.overlap_param_gather and a.chameleon,
+     "not with --chameleon yet: its all-gathers run in the forwards' hooks, which a recovery "
+     "does not drain"),
+    ("--use-distributed-optimizer",
+     lambda a: a.use_distributed_optimizer and a.chameleon_redundancy == "eager",
+     "not with --chameleon-redundancy eager yet: its shadow copies hold whole optimizer state"),
     ("--overlap-grad-reduce", lambda a: a.overlap_grad_reduce and (a.chameleon or a.chameleon_plan),
      "not with --chameleon or --chameleon-plan yet: their schedules may split backwards (whose "
      "weight gradients bypass DDP's hooks) and a recovery drains the reduction as one op"),

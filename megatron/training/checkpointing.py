@@ -87,7 +87,7 @@ def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, 
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier(group=group)
-        sharded_state.gather_parameters(rt.model)
+        sharded_state.gather_parameters(rt)
         dcp.save(_state_dict(rt, tied_embeddings, create_missing=True, saving=True),
                  checkpoint_id=str(tmp), process_group=group)
         if written:

@@ -154,7 +154,7 @@ class Reporter:
                            reconfigure_ms=round(reconfigure_ms, 1), lost_iterations=lost,
                            resume_iteration=resume + 1, world=plan.world_size,
                            moved_bytes=t.entered.moved_bytes, attempts=t.attempts,
-                           spares=len(t.spares))
+                           spares=len(t.spares), why=d.why)
         detect = "" if t.detect_ms is None else \
             f", detected {max(t.detect_ms, 0.0):.0f} ms after it"
         where = "" if failure.during == "step" else f" (during the {failure.during})"
@@ -356,7 +356,7 @@ def _what(d, plan: ExecutionPlan, resume: int, moved_bytes: int) -> str:
     if d.restarts:
         return ((f"checkpoint of iteration {resume}" if resume else
                  "no checkpoint: back to iteration 0 and the initial weights")
-                + f" loaded onto {layout_text(plan)}")
+                + f" loaded onto {layout_text(plan)}" + (f", since {d.why}" if d.why else ""))
     if d.strategy in ("takeover", "reparallelize", "rejoin", "substitute"):
         return "; ".join(f"pipeline {pi} now {len(p.stages)} stage(s): " + ", ".join(
             f"layers [{st.layer_start}, {st.layer_end}) on rank(s) {st.ranks}" for st in p.stages)

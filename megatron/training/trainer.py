@@ -128,7 +128,9 @@ class Trainer:
             self.elastic = ElasticManager(
                 elastic, store, injector, Planning(self.calibration.profile, self.clock.situation,
                                                   self.clock.outlook),
-                target=plan, backend=config.parallel.backend, placement=config.parallel.placement)
+                target=plan, backend=config.parallel.backend, placement=config.parallel.placement,
+                sharded=config.parallel.optimizer_instances
+                if config.parallel.distributed_optimizer else 0)
         else:
             self.elastic = DisabledManager(config.parallel.backend)
         joining = self.elastic.joining
@@ -180,7 +182,8 @@ class Trainer:
             grad_reduce_in_fp32=not training.grad_reduce_in_bf16,
             data_parallel=runtime.DataParallel(
                 config.parallel.distributed_optimizer, config.parallel.optimizer_instances,
-                config.parallel.overlap_grad_reduce, config.parallel.overlap_param_gather))
+                config.parallel.overlap_grad_reduce, config.parallel.overlap_param_gather,
+                elastic.shard_redundancy == "buddy"))
         # What a checkpoint must match to be loaded, and how long its collectives may wait.
         self.model_meta = {"num_layers": config.model.num_layers,
                            "hidden_size": config.model.hidden_size,
@@ -503,7 +506,9 @@ class Trainer:
         rt = self.built.runtime
         optimizers = state_transfer.torch_optimizers(rt.optimizer)
         mine = {"state": memory_meter.state_bytes(rt.module, optimizers),
-                "shadows": self.built.shadows.held_bytes if self.built.shadows else 0,
+                # copies held for redundancy: eager's shadows, or the buddy shards
+                "shadows": self.built.shadows.held_bytes if self.built.shadows else
+                rt.buddy.held_bytes if rt.buddy else 0,
                 "activations": rt.memory.peak_bytes,
                 "optimizer": memory_meter.optimizer_bytes(optimizers)}  # part of state
         with self._boundary("shutdown"):
@@ -600,7 +605,8 @@ class Trainer:
         self.pending, self.finishing = list(t.decision.pending), False
         print(f"> launch rank {self.elastic.launch_rank} left the spares for the "
               f"{t.decision.strategy} plan after iteration {self.iteration}: rank {t.rank} of "
-              f"{t.plan.world_size}, generation {t.plan.generation}", flush=True)
+              f"{t.plan.world_size}, generation {t.plan.generation}"
+              + (f" ({t.decision.why})" if t.decision.why else ""), flush=True)
 
     def _entered(self, t) -> None:
         self.plan, self.rank, self.iteration = t.plan, t.rank, t.entered.applied

@@ -156,6 +156,17 @@ def test_a_lost_tensor_parallel_rank_takes_its_group_out(references, small_data,
     assert [e["identical"] for e in replicas] == [True] and replicas[0]["parameters"] == 2 * 52
 
 
+def spare_profile(tmp_path) -> str:
+    """A profile under which the restart after one loss of pipeline 2 x data 2 runs on 2 of the
+    3 survivors (data parallel 2 predicted fastest): the third stands by."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile(ModelShape(4, 64, 4, 32, 2, 384), layer_fwd_ms=5.0,
+                      layer_bwd_input_ms=5.0, layer_bwd_weight_ms=5.0, head_fwd_ms=2.0,
+                      head_bwd_ms=2.0, p2p_alpha_ms=0.05, p2p_ms_per_mib=0.5,
+                      allreduce_alpha_ms=0.1, allreduce_ms_per_mib=1.0).save(profile)
+    return str(profile)
+
+
 def test_a_spare_stands_by_and_substitutes_for_the_next_loss(references, small_data, tmp_path):
     """Warm spares: the restart after rank 3's loss at iteration 2 runs on 2 of the 3 survivors
     (data parallel 2, as the given profile predicts fastest), and launch rank 2 stands by,
@@ -164,13 +175,9 @@ def test_a_spare_stands_by_and_substitutes_for_the_next_loss(references, small_d
     its replica), which then saves that checkpoint with rank 0 (the action the failure
     interrupted), and the job ends with every surviving worker exiting 0, on the failure-free
     losses."""
-    profile = tmp_path / "profile.json"
-    synthetic_profile(ModelShape(4, 64, 4, 32, 2, 384), layer_fwd_ms=5.0,
-                      layer_bwd_input_ms=5.0, layer_bwd_weight_ms=5.0, head_fwd_ms=2.0,
-                      head_bwd_ms=2.0, p2p_alpha_ms=0.05, p2p_ms_per_mib=0.5,
-                      allreduce_alpha_ms=0.1, allreduce_ms_per_mib=1.0).save(profile)
     run = run_chameleon(4, common(small_data, 2) + [
-        "--chameleon", "--chameleon-strategy", "restart", "--chameleon-profile", str(profile),
+        "--chameleon", "--chameleon-strategy", "restart", "--chameleon-profile",
+        spare_profile(tmp_path),
         "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
         "--chameleon-inject", "kill:rank=3,iter=2,phase=backward",
         "--chameleon-inject", "kill:rank=1,iter=6,phase=checkpoint"], tmp_path, name="spare")
@@ -190,3 +197,23 @@ def test_a_spare_stands_by_and_substitutes_for_the_next_loss(references, small_d
         assert re.search(rf"worker rank {rank} \(pid \d+\) exited 0", run.stderr), \
             run.stderr[-3000:]
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
+
+
+def test_when_every_member_is_lost_the_spare_restarts_from_the_checkpoint(references, small_data,
+                                                                         tmp_path):
+    """After the restart onto 2 ranks (launch rank 2 a spare), both members die in iteration
+    6: nobody holds the state, so the spare restarts alone from the checkpoint of iteration 3
+    and trains to the end on the failure-free losses."""
+    run = run_chameleon(4, common(small_data, 2) + [
+        "--chameleon", "--chameleon-strategy", "restart", "--chameleon-profile",
+        spare_profile(tmp_path), "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
+        "--chameleon-inject", "kill:rank=3,iter=2,phase=backward",
+        "--chameleon-inject", "kill:rank=0,iter=6,phase=backward",
+        "--chameleon-inject", "kill:rank=1,iter=6,phase=backward"], tmp_path, name="spares")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(last_losses(run.metrics), references(2))
+    assert re.search(r"launch rank 2 left the spares for the restart plan after iteration 3: "
+                     r"rank 0 of 1, generation \d+ \(every rank of the plan was lost; the "
+                     r"spares read the checkpoint\)", run.stdout), run.stdout[-3000:]
+    assert re.search(r"worker rank 2 \(pid \d+\) exited 0", run.stderr), run.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)

@@ -108,8 +108,13 @@ def test_data_checkpoint_and_logging_flags():
     (["--expert-model-parallel-size", "2", "--num-experts", "4"],
      "--expert-model-parallel-size: expert parallelism"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "interleaved pipelines"),
-    (["--use-distributed-optimizer", "--chameleon"], "--use-distributed-optimizer: not with "
-     "--chameleon yet: recovery of the sharded optimizer state is not built yet"),
+    (["--use-distributed-optimizer", "--overlap-param-gather", "--chameleon"],
+     "--overlap-param-gather: not with --chameleon yet: its all-gathers run in the forwards' "
+     "hooks"),
+    (["--use-distributed-optimizer", "--chameleon", "--chameleon-redundancy", "eager"],
+     "--use-distributed-optimizer: not with --chameleon-redundancy eager yet"),
+    (["--chameleon-shard-redundancy", "buddy", "--chameleon"],
+     "--chameleon-shard-redundancy buddy needs --use-distributed-optimizer and --chameleon"),
     (["--overlap-grad-reduce", "--chameleon"], "--overlap-grad-reduce: not with --chameleon"),
     (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     (["--num-distributed-optimizer-instances", "2"], "needs --use-distributed-optimizer"),

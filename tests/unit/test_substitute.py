@@ -117,3 +117,13 @@ def test_the_agreement_is_led_by_the_lowest_rank_holding_state():
     with ThreadPoolExecutor(3) as pool:
         agreed = list(pool.map(agree, ranks))
     assert {(ag.leader, ag.iteration, tuple(ag.alive)) for ag in agreed} == {(1, 7, (0, 1, 2))}
+
+
+def test_when_every_member_is_lost_the_spares_restart_from_the_checkpoint():
+    target = ExecutionPlan.failure_free(8, 1, 2, 8, 1, 8)   # pipeline 2 x data 4
+    d = Decider("auto", target=target).onto_spares([5, 9], generation=3).decision
+    assert d.restarts and d.members == [5, 9] and d.plan.generation == 3
+    assert (len(d.plan.pipelines), len(d.plan.pipelines[0].stages)) == (1, 2)
+    assert "every rank of the plan was lost" in d.why
+    whole = Decider("auto", target=target).onto_spares(list(range(10, 18)), 4).decision
+    assert whole.plan.world_size == 8 and whole.members == list(range(10, 18))

@@ -7,9 +7,12 @@ is killed in the backward of an iteration and the job recovers in-process under
 --chameleon-strategy auto. Prints the measured post-recovery over failure-free iteration
 throughput (medians within the run, the first iteration under each plan left out as a warm-up)
 beside the planner's prediction and the limit (N - 1) / N, and the run's overrun share (above
-1% the emulation is invalid: raise --dilation).
+1% the emulation is invalid: raise --dilation). With --distributed-optimizer N the job runs
+--use-distributed-optimizer with N instances (--num-distributed-optimizer-instances): the lost
+rank's shard comes from its copy in another instance (N >= 2), or from the checkpoint (N = 1).
 
     python tools/bench/post_recovery.py [--pipeline 4] [--data 4] [--dilation 80]
+                                        [--distributed-optimizer N]
 """
 
 from __future__ import annotations
@@ -43,11 +46,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="default 80: valid at 16 ranks on 2 cores here")
     p.add_argument("--iters", type=int, default=18)
     p.add_argument("--kill-at", type=int, default=7)
+    p.add_argument("--distributed-optimizer", type=int, metavar="INSTANCES",
+                   help="--use-distributed-optimizer with this many instances (default: the "
+                        "optimizer's state replicated whole)")
     a = p.parse_args(argv)
     ranks = a.pipeline * a.data
     if ranks < 2 or a.dilation <= 0 or not 4 <= a.kill_at <= a.iters - 4:
         print(f"{PROG}: error: need 2+ ranks, a positive --dilation and 4 <= --kill-at <= "
               "--iters - 4 (warm-up and measured iterations on both sides)", file=sys.stderr)
+        return 2
+    sharded = a.distributed_optimizer
+    if sharded is not None and (sharded < 1 or a.data % sharded):
+        print(f"{PROG}: error: --distributed-optimizer {sharded} must divide --data {a.data}",
+              file=sys.stderr)
         return 2
     gbs = 2 * MICRO_BATCHES * a.data
     model = SMALL_MODEL[:]
@@ -71,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         ff_ms = predict_plan(plan, device).iteration_ms
         layout = " ".join(f"{s.layer_end - s.layer_start}" for s in plan.pipelines[0].stages)
         victim = ranks - 1
+        if sharded is not None:   # a checkpoint before the kill, for a shard without a copy
+            flags += ["--use-distributed-optimizer", "--num-distributed-optimizer-instances",
+                      str(sharded), "--save", str(work / "ckpt"),
+                      "--save-interval", str(a.kill_at - 2)]
         run = run_chameleon(ranks, model + [
             "--pipeline-model-parallel-size", str(a.pipeline), "--global-batch-size", str(gbs),
             "--train-iters", str(a.iters), "--data-path", data, "--split", "100,0,0",
@@ -92,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     emu = next(e for e in run.metrics if e["event"] == "emulation")
     pre, post = statistics.median(before), statistics.median(after)
     print(f"{ranks} emulated ranks (pipeline {a.pipeline} x data {a.data}, {LAYERS} layers "
-          f"per stage {layout}, dilation {a.dilation:g}), rank {victim} killed in iteration {a.kill_at}: auto chose "
-          f"{rec['strategy']} onto {rec['world']} ranks")
+          f"per stage {layout}, dilation {a.dilation:g}"
+          + ("" if sharded is None else f", distributed optimizer with {sharded} instance(s)")
+          + f"), rank {victim} killed in iteration {a.kill_at}: auto chose "
+          f"{rec['strategy']} onto {rec['world']} ranks"
+          + (f" ({rec['why']})" if rec.get("why") else ""))
     print(f"failure-free iteration {pre:.0f} ms (predicted {ff_ms:.0f}), after the recovery "
           f"{post:.0f} ms (predicted {rec['predicted_iter_ms']:.0f})")
     print(f"post-recovery / failure-free throughput: measured {pre / post:.3f}, predicted "

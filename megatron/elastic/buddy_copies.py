@@ -1,0 +1,182 @@
+"""Buddy copies of the distributed optimizer's shards (--chameleon-shard-redundancy buddy).
+
+With one distributed-optimizer instance each shard of the Adam moments lives on one rank: a lost
+rank takes its shard with it. Here every rank also holds a copy of the shard of the rank before
+it in its replica group's ring (its owner), kept in lockstep Bamboo-style, by redundant
+computation rather than by copying state after each step:
+
+- before the step's commit, each rank sends its buddy the reduced gradient of its shard
+  (point-to-point; a loss there aborts the step like any other before the commit);
+- after the commit, the buddy clips that gradient by the same global norm and steps its copy
+  with a twin of the owner's torch optimizer, whose hyperparameters it takes from its own param
+  groups (every rank's LR schedule is the same): elementwise the same arithmetic on the same
+  values, so the copy stays bit-identical to the owner's shard (the replica check compares
+  them).
+
+A copy changes only at a committed step, as its holder's own state does: it is current whenever
+its holder is. It is set up at the first iteration of each runtime, after any restore or load:
+the owner sends its slices (ranges, param groups, moments) and the buddy takes the values from
+its own whole parameters, which are current then. At a recovery the copies join the holder's
+carried state as pieces, from which the lost rank's shard is put together.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer import optimizer as mcore_optimizer
+
+from megatron.elastic import sharded_state
+
+
+@dataclass
+class _Copy:
+    name: str                   # the parameter's global name
+    start: int                  # the owner's slice of it, flattened: [start, end)
+    end: int
+    group: int                  # the owner's param group of the slice
+    param: torch.nn.Parameter   # the copy's values (its .grad: the owner's reduced gradient)
+
+
+@dataclass
+class _Ring:
+    """One distributed optimizer's part: this rank's buddy and owner in its replica group."""
+
+    optimizer: object           # megatron-core's DistributedOptimizer
+    buddy: int
+    owner: int
+    copies: list[_Copy]
+    twin: torch.optim.Optimizer | None = None
+    groups: list[int] | None = None   # the twin's param group i mirrors the owner's groups[i]
+
+
+class BuddyCopies:
+    def __init__(self, optimizer, named: Callable[[], dict[str, torch.nn.Parameter]]) -> None:
+        """`named`: this rank's parameters by global name (state_transfer.named_parameters)."""
+        self.named = named
+        self.rings = []
+        for o in sharded_state.distributed(optimizer):
+            ring = dist.get_process_group_ranks(o.data_parallel_group)
+            if len(ring) > 1:
+                i = ring.index(dist.get_rank())
+                self.rings.append(_Ring(o, ring[(i + 1) % len(ring)], ring[(i - 1) % len(ring)],
+                                        []))
+        self.ready = False
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for r in self.rings for c in r.copies
+                   for t in [c.param, *self._state(r, c).values()]
+                   if isinstance(t, torch.Tensor))
+
+    def setup(self) -> None:
+        """Collective over each replica group: every owner sends its buddy its slices; the
+        copies' values come from this rank's whole parameters (current: call it before a step
+        leaves them behind)."""
+        params = self.named()
+        names = {id(p): name for name, p in params.items()}
+        for r in self.rings:
+            o = r.optimizer
+            mine = sharded_state.slice_states_of(o)
+            meta = [(names[id(sl.param)], sl.start, sl.end, _group_of(o.optimizer, sl.shard),
+                     bool(state)) for sl, state in mine]
+            everyone: list = [None] * o.data_parallel_group.size()
+            dist.all_gather_object(everyone, meta, group=o.data_parallel_group)
+            theirs = everyone[dist.get_group_rank(o.data_parallel_group, r.owner)]
+            r.copies = [_Copy(name, a, b, k, torch.nn.Parameter(
+                params[name].detach().reshape(-1)[a:b].clone())) for name, a, b, k, _ in theirs]
+            r.groups = sorted({c.group for c in r.copies})
+            if r.copies:
+                r.twin = _twin(o.optimizer, [
+                    {**_hyper(o.optimizer.param_groups[k]),
+                     "params": [c.param for c in r.copies if c.group == k]} for k in r.groups])
+            stepped = [(sl, state) for sl, state in mine if state]
+            handles = []
+            if stepped:
+                handles.append(dist.isend(_flat([t for _, s in stepped for t in _moments(s)]),
+                                          r.buddy))
+            if any(s for *_, s in theirs):
+                buf = torch.empty(sum(2 * (c.end - c.start) + 1 for c in r.copies),
+                                  dtype=torch.float32)
+                handles.append(dist.irecv(buf, r.owner))
+            for h in handles:
+                h.wait()
+            if any(s for *_, s in theirs):
+                at = 0
+                for c in r.copies:
+                    n = c.end - c.start
+                    r.twin.state[c.param] = {
+                        "exp_avg": buf[at:at + n].clone(), "exp_avg_sq": buf[at + n:at + 2 * n]
+                        .clone(), "step": buf[at + 2 * n].clone()}
+                    at += 2 * n + 1
+        self.ready = True
+
+    def send_gradients(self) -> None:
+        """Before the commit: each rank's reduced shard gradients to its buddy, the owner's
+        into the copies' gradients."""
+        handles = []
+        for r in self.rings:
+            mine = [sl.shard.grad for sl, _ in sharded_state.slice_states_of(r.optimizer)]
+            if mine:
+                handles.append(dist.isend(_flat([g.reshape(-1) for g in mine]), r.buddy))
+            if r.copies:
+                buf = torch.empty(sum(c.end - c.start for c in r.copies), dtype=torch.float32)
+                handles.append(dist.irecv(buf, r.owner))
+                at = 0
+                for c in r.copies:
+                    c.param.grad = buf[at:at + c.end - c.start]
+                    at += c.end - c.start
+        for h in handles:
+            h.wait()
+
+    @torch.no_grad()
+    def step(self, total_norm: float, clip_grad: float) -> None:
+        """After the commit: each copy steps as its owner does (clipped by the same global
+        norm, the same hyperparameters)."""
+        for r in self.rings:
+            if not r.copies:
+                continue
+            if clip_grad > 0.0:
+                # looked up at the call: cpu_compat replaces megatron-core's CUDA-only version
+                mcore_optimizer.clip_grad_by_total_norm_fp32(
+                    [c.param for c in r.copies], clip_grad, total_norm, False)
+            for twin_group, k in zip(r.twin.param_groups, r.groups):
+                twin_group.update(_hyper(r.optimizer.optimizer.param_groups[k]))
+            r.twin.step()
+
+    def pieces(self) -> list[tuple[str, int, int, dict, torch.Tensor]]:
+        """(name, start, end, optimizer state, values) of each copy."""
+        return [(c.name, c.start, c.end, self._state(r, c), c.param.detach())
+                for r in self.rings for c in r.copies]
+
+    @staticmethod
+    def _state(r: _Ring, c: _Copy) -> dict:
+        return r.twin.state.get(c.param, {}) if r.twin is not None else {}
+
+
+def _twin(inner: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """An optimizer of `inner`'s class and settings over `groups` (its `defaults` may hold
+    settings its constructor does not take, such as AdamW's decoupled_weight_decay)."""
+    takes = inspect.signature(type(inner).__init__).parameters
+    return type(inner)(groups, **{k: v for k, v in inner.defaults.items() if k in takes})
+
+
+def _group_of(inner: torch.optim.Optimizer, shard: torch.Tensor) -> int:
+    return next(k for k, g in enumerate(inner.param_groups) if any(p is shard for p in g["params"]))
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _moments(state: dict) -> list[torch.Tensor]:
+    return [state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1),
+            state["step"].reshape(1).float()]
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().float() for t in tensors])

@@ -1,0 +1,58 @@
+"""Where the distributed optimizer's shards live, which losses leave one without a copy, and
+the decider's answer: state carried over while every shard has a copy, else a restart from the
+checkpoint that says which shard is lost."""
+
+import pytest
+
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+from chameleon_ext.plan.sharding import instances_for, lost_shards, shard_holders
+from chameleon_ext.planning.decider import Decider
+from chameleon_ext.planning.strategies.reroute import reroute
+
+
+def pp2_dp4() -> ExecutionPlan:
+    # Megatron's order: stage 0 on ranks 0-3, stage 1 on ranks 4-7
+    return ExecutionPlan.failure_free(8, 1, 2, 4, 1, 8)
+
+
+def test_two_instances_hold_each_shard_at_the_same_place_of_both_chunks():
+    assert sorted(shard_holders(pp2_dp4(), 2)) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert sorted(shard_holders(pp2_dp4(), 1)) == [(r,) for r in range(8)]
+
+
+def test_a_buddy_copy_is_held_by_the_next_rank_of_the_same_chunk():
+    assert sorted(shard_holders(pp2_dp4(), 1, buddy=True)) == \
+        [(0, 1), (1, 2), (2, 3), (3, 0), (4, 5), (5, 6), (6, 7), (7, 4)]
+    assert sorted(shard_holders(pp2_dp4(), 2, buddy=True)) == \
+        [(0, 2, 1, 3), (1, 3, 0, 2), (4, 6, 5, 7), (5, 7, 4, 6)]
+    assert lost_shards(pp2_dp4(), {3}, 1, buddy=True) == []
+    assert lost_shards(pp2_dp4(), {2, 3}, 1, buddy=True) == [(2, 3)]
+
+
+def test_a_shard_is_lost_only_with_every_copy():
+    plan = pp2_dp4()
+    assert lost_shards(plan, {3}, 2) == []
+    assert lost_shards(plan, {1, 3}, 2) == [(1, 3)]
+    assert lost_shards(plan, {3}, 1) == [(3,)]
+    # a stage lost whole takes its layers along: that loss is not the optimizer's to report
+    assert lost_shards(plan, {4, 5, 6, 7}, 2) == []
+
+
+def test_a_plan_keeps_only_the_instances_that_divide_every_replica_group():
+    plan = pp2_dp4()
+    assert instances_for(plan, 2) == 2 and instances_for(plan, 4) == 4
+    rerouted = reroute(plan, {3})       # stage 0 keeps 3 replicas: one instance is left
+    assert instances_for(rerouted, 2) == 1
+
+
+@pytest.mark.parametrize("strategy", ["reroute", "auto"])
+def test_with_one_instance_a_lost_shard_restarts_from_the_checkpoint_and_says_why(strategy):
+    plan = pp2_dp4()
+    d = Decider(strategy, sharded=1).after_failure(plan, list(range(8)), {3}, 5).decision
+    assert d.restarts
+    assert d.why == ("the distributed optimizer's shard held by rank(s) [3] is lost "
+                     "(1 instance(s), no other copy)")
+    kept = Decider(strategy, sharded=2).after_failure(plan, list(range(8)), {3}, 5).decision
+    if strategy == "reroute":
+        assert kept.strategy == "reroute" and kept.why is None
+

@@ -1,0 +1,90 @@
+"""The upkeep of buddy copies (--chameleon-shard-redundancy buddy) over a plain step.
+
+Failure-free jobs of N emulated ranks (default pipeline 2 x data 4, an 8-layer GPT, the
+analytical H200 profile of a 1.3B GPT's shape at dilation X) with --use-distributed-optimizer
+and one instance, without and with buddy copies, alternated (--repeats of each). Prints each
+run's median iteration time (the first two iterations left out as warm-up), the medians of
+each setting, and the buddy's upkeep as their ratio.
+
+What the emulation does not charge is said beside the result: the copy's twin step runs inside
+the emulated optimizer step, whose padding hides it where it is shorter (on a device it costs
+about 1/DP of a step); its gradient message is real gloo traffic between processes on this host.
+
+    python tools/bench/buddy_upkeep.py [--pipeline 2] [--data 4] [--dilation 60] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron.training.builtin_data import ensure_builtin_dataset  # noqa: E402
+from tests.launch import SMALL_MODEL, run_chameleon  # noqa: E402
+from tools.reproduce import executed  # noqa: E402
+
+LAYERS = 8
+MICRO_BATCHES = 4                      # per pipeline, of SMALL_MODEL's 2 samples
+PROG = "buddy_upkeep.py"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--pipeline", type=int, default=2)
+    p.add_argument("--data", type=int, default=4)
+    p.add_argument("--dilation", type=float, default=60.0)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args(argv)
+    if a.data < 2 or a.pipeline < 1 or a.dilation <= 0 or a.iters < 4 or a.repeats < 1:
+        print(f"{PROG}: error: need --data >= 2 (a buddy is another replica), --pipeline >= 1, "
+              "a positive --dilation, --iters >= 4 and --repeats >= 1", file=sys.stderr)
+        return 2
+    ranks = a.pipeline * a.data
+    model = SMALL_MODEL[:]
+    model[model.index("--num-layers") + 1] = str(LAYERS)
+    data = ensure_builtin_dataset(quiet=True, progress=False)
+    medians: dict[str, list[float]] = {"none": [], "buddy": []}
+    with tempfile.TemporaryDirectory(prefix="buddy-upkeep-") as tmp:
+        work = Path(tmp)
+        profile = executed.default_profile(work / "device.json")
+        for i in range(a.repeats):
+            for mode in ("none", "buddy"):      # alternated: a drift of the host hits both
+                run = run_chameleon(ranks, model + [
+                    "--pipeline-model-parallel-size", str(a.pipeline), "--global-batch-size",
+                    str(2 * MICRO_BATCHES * a.data), "--train-iters", str(a.iters),
+                    "--data-path", data, "--split", "100,0,0", "--log-interval", str(a.iters),
+                    "--use-distributed-optimizer", "--chameleon",
+                    "--chameleon-shard-redundancy", mode, "--chameleon-emulate", str(profile),
+                    "--chameleon-emulate-dilation", str(a.dilation)], work, name=f"{mode}{i}",
+                    # 10 minutes bound a run of a few seconds per iteration and the start of
+                    # its processes on 2 shared cores; beyond, it is stuck
+                    timeout=600, launcher_args=executed.LAUNCHER)
+                if run.returncode != 0:
+                    last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
+                    print(f"{PROG}: error: the {mode} job exited with {run.returncode}: {last}",
+                          file=sys.stderr)
+                    return 1
+                its = [e["elapsed_ms"] for e in run.metrics
+                       if e["event"] == "iteration" and e["iteration"] > 2]
+                emu = next(e for e in run.metrics if e["event"] == "emulation")
+                medians[mode].append(statistics.median(its))
+                print(f"{mode:5s} run {i + 1}: median iteration {medians[mode][-1]:.1f} ms, "
+                      f"overruns {100 * emu['share']:.2f}% of padded ops"
+                      + ("" if emu["valid"] else " (INVALID emulation: raise --dilation)"),
+                      flush=True)
+    plain, buddy = (statistics.median(medians[m]) for m in ("none", "buddy"))
+    print(f"{ranks} emulated ranks (pipeline {a.pipeline} x data {a.data}, dilation "
+          f"{a.dilation:g}), distributed optimizer, 1 instance: median iteration {plain:.1f} ms "
+          f"plain, {buddy:.1f} ms with buddy copies: upkeep {100 * (buddy / plain - 1):+.2f}%")
+    print("not emulated: the copy's twin step runs inside the padded optimizer step (hidden "
+          "where shorter); its gradient message is this host's gloo")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
