@@ -12,8 +12,11 @@ costs are balanced) and the hybrid reroute+restart (reroute now, and at the next
 checkpoint save restart from that fresh checkpoint onto the re-planned layout). Each plan is
 predicted with the performance model (chameleon_ext.planning.perf_model.predict_plan: the simulator over
 the schedule the executor would run, on the fewest pipelines that determine it exactly) and
-costed over the window until the next event. Without a repair time (`Situation.repair_hours`
-None: nothing known of repair) the rule is the horizon-only one,
+costed over the window until the next event. Its transition is the detection, the rebuild, the
+state moved or the checkpoint read, and the lost iterations trained again on its plan, at its
+iteration time: the interrupted one, or for a restart every one since the checkpoint (the redo
+runs on the new plan, so a restart onto a faster plan redoes faster). Without a repair time
+(`Situation.repair_hours` None: nothing known of repair) the rule is the horizon-only one,
 
     transition + horizon x predicted iteration time
 
@@ -98,7 +101,7 @@ class Situation:
     checkpoint_iteration: int          # of the latest checkpoint (0: none; restart from scratch)
     remaining_iterations: int          # iterations left to train, the interrupted one included
     mtbf_hours: float | None = None
-    failure_free_ms: float = 0.0       # iteration time before the failure (for lost work)
+    failure_free_ms: float = 0.0       # iteration time before the failure (the window's pace)
     save_interval: int = 0             # a checkpoint after every multiple (0: no periodic saves)
     eager_redundancy: bool = False     # stages hold shadow copies (strategies.redundancy)
     # the lost slot is back this long after the failure (math.inf: not within the job); None:
@@ -141,6 +144,14 @@ class Candidate(_Scheduled):
     switch: Switch | None = None       # a hybrid's second step (plan etc. are the first's)
     move_back_ms: float = 0.0          # back(c): to the plan before the failure, slot returned
     next_failure_ms: float = 0.0       # next(c): absorbing the next failure from its plan
+    # the iterations whose work the failure lost, trained again on `plan` (part of
+    # transition_ms): the interrupted one, or for a restart every one since the checkpoint
+    lost_iterations: int = 0
+
+    @property
+    def redo_ms(self) -> float:
+        """The part of transition_ms that trains the lost iterations again."""
+        return self.lost_iterations * self.iteration_ms
 
     def summary(self) -> dict:
         """The metrics file's form (ARCHITECTURE.md: recovery.candidates)."""
@@ -220,7 +231,6 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
     theirs."""
     if not plan.survivors(lost):
         return []
-    lost_ms = situation.failure_free_ms
     hybrid = "reroute+restart" in strategies
     profile = profile.at_tensor_parallel(plan.tensor_parallel)
     ctx = Context(profile, situation.eager_redundancy, spares)
@@ -233,17 +243,21 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
         if found is None:
             continue
         new = found.plan
-        proposed[name] = _candidate(name, new, after, transition_ms(
+        c = _candidate(name, new, after, transition_ms(
             profile, moved_bytes=strategy.moved_bytes(plan, new, lost, ctx),
-            loaded_bytes=_loaded_bytes(new, profile) if strategy.restarts else 0,
-            lost_iterations=(situation.iteration - situation.checkpoint_iteration
-                             if strategy.restarts else 1), iteration_ms=lost_ms),
+            loaded_bytes=_loaded_bytes(new, profile) if strategy.restarts else 0),
             found.prediction)
+        c.lost_iterations = situation.iteration - situation.checkpoint_iteration \
+            if strategy.restarts else 1
+        proposed[name] = c
     out = [c for name, c in proposed.items() if name in strategies]
     if situation.eager_redundancy:
         for c in out:
             if c.strategy != "reroute":   # a rerouted plan has stages without owners
                 _add_upkeep(c, after)
+    for c in proposed.values():
+        # the lost iterations are trained again on the candidate's plan, at its pace
+        c.transition_ms += c.redo_ms
     pace = situation.failure_free_ms or min((c.iteration_ms for c in out if c.feasible),
                                             default=0.0)
     win = window(situation, pace)
@@ -317,7 +331,7 @@ def _hybrid(now: Candidate, then: Candidate, profile: Profile,
     both = Candidate("reroute+restart", now.plan, now.iteration_ms, now.transition_ms,
                      max(now.memory_bytes, then.memory_bytes), now.feasible and then.feasible,
                      switch=switch, move_back_ms=then.move_back_ms,
-                     next_failure_ms=then.next_failure_ms)
+                     next_failure_ms=then.next_failure_ms, lost_iterations=now.lost_iterations)
     if both.feasible:
         both.total_ms = now.transition_ms + k * now.iteration_ms + switch.transition_ms + \
             (win.iterations - k) * then.iteration_ms + win.repair_first * then.move_back_ms + \

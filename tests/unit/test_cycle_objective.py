@@ -136,10 +136,10 @@ def test_a_short_repair_makes_rerouting_win():
     by = {c.strategy: c for c in cycle}
     assert by["reroute"].move_back_ms == min(c.move_back_ms for c in cycle)
     assert by["reroute"].move_back_ms < by["restart"].move_back_ms / 4
-    assert totals(cycle) == {"reroute": 276278.3, "reparallelize": 318770.6,
-                             "takeover": 409135.2, "restart": 595948.8}
-    assert totals(horizon) == {"reparallelize": 24314677.7, "reroute": 26084745.7,
-                               "restart": 33283489.7, "takeover": 35203080.8}
+    assert totals(cycle) == {"reroute": 276523.2, "reparallelize": 318915.7,
+                             "takeover": 409875.2, "restart": 627701.8}
+    assert totals(horizon) == {"reparallelize": 24314822.8, "reroute": 26084990.6,
+                               "restart": 33315242.7, "takeover": 35203820.8}
 
 
 def test_a_long_repair_after_three_losses_in_one_stage_makes_re_planning_win():
@@ -162,8 +162,8 @@ def test_a_long_repair_after_three_losses_in_one_stage_makes_re_planning_win():
     reroute = next(c for c in cycle if c.strategy == "reroute")
     assert fatal_share(reroute.plan, False) == 1 / 5
     assert window(s, s.failure_free_ms).failure_first > 0.99
-    assert totals(cycle) == {"restart": 3209125.8, "reroute": 3269275.6}
-    assert totals(horizon) == {"reroute": 2008110.7, "restart": 3206755.8}
+    assert totals(cycle) == {"restart": 2823985.8, "reroute": 3271250.7}
+    assert totals(horizon) == {"reroute": 2010085.9, "restart": 2821615.8}
 
 
 def test_a_failure_just_after_a_checkpoint_makes_restart_win():
@@ -171,7 +171,7 @@ def test_a_failure_just_after_a_checkpoint_makes_restart_win():
     15 minutes, a failure comes every 2 hours. The horizon rule (2 h: 4831 iterations)
     re-parallelizes over all 7 survivors: 1.3 s an iteration, but 350 s of state moved in
     and 116 s to move back. Over the 15 minutes the restart onto 6 (the checkpoint is fresh:
-    2.5 s to enter, 1.8 s an iteration, 73 s back) is cheaper than every other; with an old
+    2.8 s to enter, 1.8 s an iteration, 73 s back) is cheaper than every other; with an old
     checkpoint it is not."""
     plan = pp4_dp2()
     s = Situation(iteration=1001, checkpoint_iteration=1000, remaining_iterations=100_000,
@@ -180,13 +180,45 @@ def test_a_failure_just_after_a_checkpoint_makes_restart_win():
     cycle, horizon = ranked_both(plan, {5}, s)
     assert choose(cycle).strategy == "restart"
     assert choose(horizon).strategy == "reparallelize"
-    assert totals(cycle) == {"restart": 1097746.1, "reparallelize": 1205022.4,
-                             "takeover": 1223500.9, "reroute": 1454026.7}
-    assert totals(horizon) == {"reparallelize": 6752839.5, "restart": 8772195.5,
-                               "takeover": 9959359.6, "reroute": 11936944.0}
+    assert totals(cycle) == {"restart": 1098071.0, "reparallelize": 1204857.3,
+                             "takeover": 1224065.6, "reroute": 1455006.7}
+    assert totals(horizon) == {"reparallelize": 6752674.4, "restart": 8772520.4,
+                               "takeover": 9959924.4, "reroute": 11937924.1}
     old = dataclasses.replace(s, checkpoint_iteration=500)
     assert choose(candidates(plan, {5}, PROFILE, old)).strategy != "restart"
 
+
+
+def test_a_restart_trains_its_lost_iterations_again_at_its_own_pace():
+    """Pipeline 2 x data 4 has lost two replicas of stage 0 (rerouted: 2.3 s an iteration);
+    now the third, 1000 iterations after the checkpoint, a failure expected every 0.576 h
+    (900 iterations). Rerouting again runs 4.3 s an iteration; a restart onto 4 ranks 1.9 s,
+    after training the 1000 lost iterations again on those 4 ranks: 1920 s. Priced at the
+    pace they ran at before the failure (2305 s, as the planner did), the restart cost 140.2 ms
+    a sample against rerouting's 133.9, and rerouting was chosen; at the pace the job trains
+    them again it costs 126.8 ms a sample: the restart."""
+    plan = pp2_dp4()
+    for lost in ({1}, {2}):
+        plan = REGISTRY["reroute"].propose(plan, lost, Context(PROFILE)).plan
+    pace = predict_plan(plan, PROFILE).iteration_ms
+    s = Situation(iteration=1001, checkpoint_iteration=1, remaining_iterations=100_000,
+                  mtbf_hours=0.576, failure_free_ms=pace)
+    ranked = candidates(plan, {1}, PROFILE, s)
+    by = {c.strategy: c for c in ranked}
+    restart, reroute = by["restart"], by["reroute"]
+    assert choose(ranked) is restart
+    assert (restart.lost_iterations, reroute.lost_iterations) == (1000, 1)
+    assert restart.redo_ms == pytest.approx(1000 * restart.iteration_ms)
+    samples = horizon_iterations(s, pace) * plan.global_batch_size
+
+    def per_sample(total_ms: float) -> float:
+        return round(total_ms / samples, 1)
+
+    assert (round(pace), round(restart.iteration_ms), round(reroute.iteration_ms)) == \
+        (2305, 1920, 4280)
+    assert (per_sample(restart.total_ms), per_sample(reroute.total_ms)) == (126.8, 133.9)
+    at_old_pace = restart.total_ms + restart.lost_iterations * (pace - restart.iteration_ms)
+    assert per_sample(at_old_pace) == 140.2
 
 # ---- a rejoin -----------------------------------------------------------------------------------
 def rejoin_case(**situation):

@@ -237,7 +237,8 @@ def test_the_hybrid_wins_when_the_checkpoint_is_old_and_the_next_save_near():
     s = best.switch
     assert (s.strategy, s.at_iteration, s.plan, s.iteration_ms) == ("restart", 105, then.plan,
                                                                      then.iteration_ms)
-    loaded = then.transition_ms - transition_ms(prof, lost_iterations=53, iteration_ms=60.0)
+    assert then.lost_iterations == 53   # trained again on the restart's plan, at its pace
+    loaded = then.transition_ms - then.redo_ms - transition_ms(prof)
     assert s.transition_ms == pytest.approx(switch_ms(prof) + loaded)
     assert best.total_ms == pytest.approx(now.transition_ms + 3 * now.iteration_ms +
                                           s.transition_ms + (100_000 - 3) * then.iteration_ms)
@@ -311,10 +312,11 @@ def test_chameleon_plan_rejects_bad_input_in_one_line(capsys, tmp_path):
 
 def test_an_mtbf_horizon_counts_the_same_work_for_every_candidate():
     """An hour to the next failure is 60,000 failure-free iterations of 60 ms for every
-    candidate: the faster re-planned layout wins although its transition costs more (counted
-    in time, each plan would fill the hour and only the transitions would differ)."""
+    candidate: the faster re-planned layout wins although its transition (two iterations
+    since the checkpoint lost) costs more (counted in time, each plan would fill the hour and
+    only the transitions would differ)."""
     ranked = candidates(pp4_dp2(), {5}, synthetic(), Situation(
-        iteration=100, checkpoint_iteration=99, remaining_iterations=10 ** 9, mtbf_hours=1.0,
+        iteration=100, checkpoint_iteration=98, remaining_iterations=10 ** 9, mtbf_hours=1.0,
         failure_free_ms=60.0), ("reroute", "restart"))
     best = choose(ranked)
     reroute = next(c for c in ranked if c.strategy == "reroute")

@@ -2,17 +2,22 @@
 throughput over the trace's span.
 
 Between events the job trains at its plan's predicted iteration time (progress is counted in
-iterations, fractions included). A transition makes no progress for its predicted cost
-(planner.Candidate.transition_ms: detection, rebuild, state moved, the work lost since the
-interrupted iteration or, for a restart, since the checkpoint); an event during a transition
-starts the next one from that moment.
+iterations, fractions included). A recovery takes progress back to where its lost work starts
+(planner.Candidate.lost_iterations: the interrupted iteration's start or, for a restart, the
+checkpoint), makes no progress for the rest of its predicted cost (detection, rebuild, state
+moved or checkpoint read), then trains the lost iterations again on the new plan: its
+transition_ms in all, as the planner predicts it. An event during a transition starts the next
+one from that moment; the work lost stays lost (it is progress to make again, not a wait that
+a later event could cut short).
 
 - A failure of a GPU the plan uses: the planner ranks the policy's strategies on the current
   plan (planner.candidates) and takes the cheapest; where none of them has a feasible plan, or
   no survivor holds some layer any more, the job falls back to restart, as the real job does; where not even that fits, it stalls until
   GPUs come back. With tensor parallelism the failed GPU's whole group leaves the plan (its
   healthy GPUs idle until a rejoin re-plans). A failure of a GPU the plan leaves idle changes
-  nothing.
+  nothing. The failure-free plan's tensor-parallel groups that are up and out of the plan wait
+  as spares, as the job's do (decider.Decider): a policy with `substitute` (auto) may fill the
+  lost places with them, the layout kept.
 - A chosen hybrid (reroute now, restart at the next checkpoint) switches when that checkpoint is
   written, unless another change of plan comes first.
 - A rejoin: with every GPU back, the failure-free plan; otherwise the policy's best plan over
@@ -132,7 +137,7 @@ class _Job:
             at, sw = self.switch
             self.advance(at)
             self.out.replans += 1
-            self._adopt(sw.plan, self._gpus_of(self.plan, set(), sw.plan), sw.iteration_ms,
+            self._adopt(sw.plan, self._gpus_of(self.plan, set(), sw.plan, []), sw.iteration_ms,
                         sw.transition_ms)
 
     def situation(self) -> Situation:
@@ -160,15 +165,18 @@ class _Job:
         # No survivor holds some layer (a stage's last replica lost): only the checkpoint has
         # it, as decider.Decider rules; no strategy can carry the state over.
         forced = not state_survives(self.plan, lost, self.policy.eager)
+        spares = self._spares()
         best, fell_back = self._choose(self.plan, lost, ("restart",) if forced
-                                       else self.policy.strategies, situation)
+                                       else self.policy.strategies, situation, len(spares))
         self.out.fallbacks += fell_back or (forced and "restart" not in self.policy.strategies)
         if best is None:
             self.plan, self.gpus, self.switch = None, [g for g in self.gpus if g != gpu], None
             return
         self.out.recoveries[best.strategy] += 1
-        self._adopt(best.plan, self._gpus_of(self.plan, lost, best.plan), best.iteration_ms,
-                    best.transition_ms + self.relaunch_ms)
+        # The lost work is progress to make again, not a wait a later event could cut short.
+        self.out.iterations = float(situation.iteration - best.lost_iterations)
+        self._adopt(best.plan, self._gpus_of(self.plan, lost, best.plan, spares),
+                    best.iteration_ms, best.transition_ms - best.redo_ms + self.relaunch_ms)
         if best.switch is not None:
             k = best.switch.at_iteration - situation.iteration + 1
             self.switch = (self.resume + k * best.iteration_ms, best.switch)
@@ -206,19 +214,29 @@ class _Job:
 
     # ---- helpers ------------------------------------------------------------------------------
     def _choose(self, plan: ExecutionPlan, lost: set[int], strategies: tuple[str, ...],
-                situation: Situation) -> tuple[Candidate | None, bool]:
-        """The cheapest feasible candidate of `strategies`, else restart's; and whether it is
-        the fallback."""
-        best = choose(candidates(plan, lost, self.profile, situation, strategies))
+                situation: Situation, spares: int = 0) -> tuple[Candidate | None, bool]:
+        """The cheapest feasible candidate of `strategies` (`spares` GPUs waiting), else
+        restart's; and whether it is the fallback."""
+        best = choose(candidates(plan, lost, self.profile, situation, strategies, spares))
         if best is None and "restart" not in strategies:
             best = choose(candidates(plan, lost, self.profile, situation, ("restart",)))
             return best, best is not None
         return best, False
 
-    def _gpus_of(self, plan: ExecutionPlan, lost: set[int], new: ExecutionPlan) -> list[int]:
+    def _gpus_of(self, plan: ExecutionPlan, lost: set[int], new: ExecutionPlan,
+                 spares: list[int]) -> list[int]:
         """The GPUs of `new`, a plan over the survivors of `plan` (run on self.gpus) without
-        `lost`: its rank i on the i-th of plan.survivors(lost, its world)."""
-        return [self.gpus[r] for r in plan.survivors(lost, new.world_size)]
+        `lost`: its rank i on the i-th of plan.survivors(lost, its world), and a substitute's
+        ranks past those on `spares`, in order."""
+        kept = [self.gpus[r] for r in plan.survivors(lost, new.world_size)]
+        return kept + list(spares[:new.world_size - len(kept)])
+
+    def _spares(self) -> list[int]:
+        """The GPUs of the failure-free plan's tensor-parallel groups that are all up and out
+        of the plan, group by group."""
+        used = set(self.gpus)
+        return [g for group in self.setup.plan.tp_groups()
+                if self.up.issuperset(group) and used.isdisjoint(group) for g in group]
 
     def _adopt(self, plan: ExecutionPlan, gpus: list[int], iteration_ms: float,
                transition_ms: float) -> None:
