@@ -106,9 +106,9 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     `on_transfer`: called just before that transfer (failure injection)."""
     config, seed, tied_embeddings = spec.config, spec.seed, spec.tied_embeddings
     timeout, timers = spec.timeout, spec.timers
-    schedule = choose_schedule(plan)
-    split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
     sharding = spec.data_parallel
+    schedule = choose_schedule(plan, whole_backwards=sharding.overlap_grad_reduce)
+    split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
     if sharding.distributed_optimizer:
         sharding = replace(sharding, instances=instances_for(plan, sharding.instances))
     groups = parallel_state.initialize(plan, rank, timeout, spec.rendezvous, sharding.instances)
@@ -151,10 +151,6 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         seeder.attach(module, stage.layer_start, first, pos.tp_rank, plan.tensor_parallel,
                       config.sequence_parallel)
 
-    if split and sharding.overlap_grad_reduce:
-        # Deferred weight gradients bypass DDP's hooks, which launch the overlapped reduction.
-        raise ValueError("--overlap-grad-reduce needs whole backwards; this plan's schedule "
-                         "splits them")
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=spec.grad_reduce_in_fp32,
         overlap_grad_reduce=sharding.overlap_grad_reduce,

@@ -307,7 +307,7 @@ class Executor:
                 elif op.kind is OpKind.REDUCE_GRADS:
                     # The failed op itself, if it is this one: its replica-group part is over.
                     if ddp_ok and op is not failed_op:
-                        rt.model.finish_grad_sync()
+                        _join_grad_sync(rt.model)
                     if rt.grad_reduction is not None:
                         rt.grad_reduction.drain(lost, resume=op is failed_op
                                                 and self._grads_synced)
@@ -512,6 +512,22 @@ class Executor:
         OpKind.BWD_INPUT: _bwd_input, OpKind.BWD_WEIGHT: _bwd_weight,
         OpKind.REDUCE_GRADS: _reduce_grads,
     }
+
+
+def _join_grad_sync(model) -> None:
+    """Take part in the replica group's gradient reduction from wherever this rank's backward
+    stopped. With --overlap-grad-reduce DDP's backward hooks dispatch each bucket once every
+    gradient of it is in as often as in the first iteration (megatron-core's golden counts);
+    the buckets an interrupted backward never dispatched are dispatched here, in bucket order,
+    which is the order a backward dispatches them (megatron-core fills buckets from the last
+    parameters), so the replicas' collectives pair up; then all are waited for. (In the first
+    iteration every bucket is reduced by finish_grad_sync itself.)"""
+    if model.ddp_config.overlap_grad_reduce:
+        for group in model.bucket_groups + model.expert_parallel_bucket_groups:
+            if not group.is_first_batch and \
+                    group.per_param_grad_ready_counts != group.golden_per_param_grad_ready_counts:
+                group.start_grad_sync()
+    model.finish_grad_sync()
 
 
 def to_device(batch: dict) -> dict:

@@ -749,9 +749,6 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
     ("--use-distributed-optimizer",
      lambda a: a.use_distributed_optimizer and a.chameleon_redundancy == "eager",
      "not with --chameleon-redundancy eager yet: its shadow copies hold whole optimizer state"),
-    ("--overlap-grad-reduce", lambda a: a.overlap_grad_reduce and (a.chameleon or a.chameleon_plan),
-     "not with --chameleon or --chameleon-plan yet: their schedules may split backwards (whose "
-     "weight gradients bypass DDP's hooks) and a recovery drains the reduction as one op"),
     ("--fp8-format", lambda a: a.fp8_format is not None,
      "fp8 needs transformer-engine on a Hopper GPU and is not supported yet"),
     ("--moe-grouped-gemm", lambda a: a.moe_grouped_gemm,

@@ -115,7 +115,6 @@ def test_data_checkpoint_and_logging_flags():
      "--use-distributed-optimizer: not with --chameleon-redundancy eager yet"),
     (["--chameleon-shard-redundancy", "buddy", "--chameleon"],
      "--chameleon-shard-redundancy buddy needs --use-distributed-optimizer and --chameleon"),
-    (["--overlap-grad-reduce", "--chameleon"], "--overlap-grad-reduce: not with --chameleon"),
     (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     (["--num-distributed-optimizer-instances", "2"], "needs --use-distributed-optimizer"),
     (["--num-distributed-optimizer-instances", "2", "--use-distributed-optimizer"],

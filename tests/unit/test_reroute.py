@@ -7,7 +7,8 @@ import pytest
 from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
 from chameleon_ext.planning.strategies.reroute import reroute
 from chameleon_ext.schedule.ir import OpKind, one_f_one_b
-from chameleon_ext.schedule.list_scheduler import list_schedule
+from chameleon_ext.schedule.list_scheduler import list_schedule, timed_list_schedule
+from chameleon_ext.schedule.message_fusion import fuse_messages
 from chameleon_ext.schedule.simulator import UniformCosts, simulate
 
 COSTS = UniformCosts(fwd=1.0, bwd=2.0, message=0.1)
@@ -132,7 +133,7 @@ def test_the_list_schedulers_makespan_is_the_simulated_time(world, tp, pp, gbs, 
     """Its ops are placed when the simulator starts them; with no reduction or optimizer cost
     its last forward or backward ends the simulated iteration. No schedule with whole
     backwards ends before whole_backward_bound."""
-    from chameleon_ext.schedule.list_scheduler import timed_list_schedule, whole_backward_bound
+    from chameleon_ext.schedule.list_scheduler import whole_backward_bound
     plan = reroute(ExecutionPlan.failure_free(world, tp, pp, 8, 1, gbs), failed)
     for costs in (UniformCosts(), UniformCosts(fwd=1.0, bwd=2.5, message=0.3)):
         for split in (False, True):
@@ -149,3 +150,15 @@ def test_the_executor_runs_the_faster_of_whole_and_split_backwards(world, tp, pp
     times = [simulate(plan, s, UniformCosts()).iteration_time for s in (whole, split)]
     chosen = choose_schedule(plan, fuse=False)
     assert chosen.ops == (whole if times[0] <= times[1] else split).ops
+
+
+@pytest.mark.parametrize("world, tp, pp, gbs, failed", REROUTED_PLANS)
+def test_overlapped_gradient_reduction_keeps_backwards_whole(world, tp, pp, gbs, failed):
+    """--overlap-grad-reduce: DDP's backward hooks launch the reduction, which a deferred
+    weight gradient would bypass, so the schedule keeps every backward whole."""
+    from chameleon_ext.schedule.choice import choose_schedule
+    plan = reroute(ExecutionPlan.failure_free(world, tp, pp, 8, 1, gbs), failed)
+    chosen = choose_schedule(plan, whole_backwards=True)
+    assert not any(op.kind is OpKind.BWD_WEIGHT for ops in chosen.ops.values() for op in ops)
+    whole = timed_list_schedule(plan, UniformCosts())[0]
+    assert chosen.ops == fuse_messages(plan, whole, UniformCosts()).ops
