@@ -41,6 +41,15 @@ def instances_for(plan: ExecutionPlan, instances: int) -> int:
     return max(k for k in range(1, instances + 1) if width % k == 0)
 
 
+def optimizer_shards(plan: ExecutionPlan, instances: int) -> dict[int, int]:
+    """rank -> over how many ranks its optimizer state is sharded, with `instances` asked for
+    (0: the optimizer's state is not sharded: 1 for every rank)."""
+    if not instances:
+        return {r: 1 for r in plan.ranks}
+    k = instances_for(plan, instances)
+    return {r: len(dp) // k for dp in replica_groups(plan) for r in dp}
+
+
 def instance_groups(dp: list[int], rank: int, instances: int) -> tuple[list[int], list[int]]:
     """`rank`'s distributed-optimizer groups within its replica group `dp`: its chunk of
     `instances` consecutive chunks (intra) and the ranks at its place in every chunk (inter:

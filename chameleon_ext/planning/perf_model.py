@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
+from chameleon_ext.plan.sharding import optimizer_shards
 from chameleon_ext.schedule.choice import choose_schedule
 from chameleon_ext.schedule.ir import COMPUTE, Op, OpKind, Schedule
 from chameleon_ext.schedule.simulator import SimResult, reduction_components, simulate
@@ -236,6 +237,12 @@ class Profile:
     allreduce_alpha_ms: float          # per step of a ring all-reduce
     allreduce_ms_per_mib: float        # per MiB crossing one link
     bytes_per_param: int = 16          # parameter + fp32 main grad + two Adam moments
+    # How the job holds its optimizer state: the distributed optimizer's instances
+    # (--num-distributed-optimizer-instances; 0: replicated whole, not sharded), and whether
+    # each shard has a buddy copy (--chameleon-shard-redundancy buddy). A sharded rank steps
+    # and holds its shard of what sharded_bytes_per_param counts (optimizer_params).
+    optimizer_instances: int = 0
+    buddy_copies: bool = False
     device_memory_bytes: int = 0       # per rank; 0: not limited
     cores: float = 0.0
     ranks_per_host: int = 0            # 0: all ranks on one host (with cores > 0)
@@ -412,6 +419,13 @@ class ProfileCosts:
         self._params = {r: stage_param_count(profile.shape, *self._stage[r], tp)
                         for r in plan.ranks}
         whole = part_of or plan
+        shards = optimizer_shards(whole, profile.optimizer_instances)
+        self._stepped = {r: self._params[r] * step_share(shards[r], profile.buddy_copies)
+                         for r in plan.ranks}
+        # A buddy's copy steps from its owner's shard gradient, sent before the commit.
+        self._buddy_ms = {r: profile.p2p_alpha_ms + profile.p2p_ms_per_mib * 4 *
+                          self._params[r] / shards[r] / MIB
+                          for r in plan.ranks if profile.buddy_copies and shards[r] > 1}
         self._segments = _segment_costs(plan, whole, profile) \
             if whole.misaligned_stages() is not None else {}
         self._group_sizes: dict[int, int] = {}
@@ -441,11 +455,12 @@ class ProfileCosts:
         elif kind is OpKind.BWD_WEIGHT:
             ms = n * p.layer_bwd_weight_ms + first * p.embedding_bwd_ms
         elif kind is OpKind.OPT_STEP:
-            ms = p.optimizer_ms_per_mparam * self._params[rank] / 1e6
+            ms = p.optimizer_ms_per_mparam * self._stepped[rank] / 1e6
         else:
             raise ValueError(f"rank {rank}, {op}: compute() is only defined for fwd, bwd, "
                              "bwd_input, bwd_weight and optimizer_step")
-        return ms * self.load[rank] * self._slow.get(rank, 1.0)
+        return ms * self.load[rank] * self._slow.get(rank, 1.0) + \
+            (self._buddy_ms.get(rank, 0.0) if kind is OpKind.OPT_STEP else 0.0)
 
     def p2p(self, src: int, dst: int, op: Op) -> float:
         return self._msg_ms
@@ -573,12 +588,16 @@ def with_overhead(simulated_ms: float, overhead: float) -> float:
 
 
 def _memory(plan: ExecutionPlan, res: SimResult, profile: Profile,
-            tensor_parallel: int) -> dict[int, int]:
+            tensor_parallel: int, whole: ExecutionPlan | None = None) -> dict[int, int]:
     """Per rank: parameters, gradients and optimizer state, and the activations of the most
     micro-batches it held at once, each shard 1 / `tensor_parallel` of its stage's (measured
     activations are a shard's at the profile's degree; the activations split with sequence
-    parallelism)."""
+    parallelism). Under the distributed optimizer a rank holds its shard of what it shards
+    (sharded_bytes_per_param), over its replica group in `whole` (the plan `plan` is a part
+    of), and with buddy copies its owner's shard too (moments, values and gradient)."""
     shape = profile.shape
+    shards = optimizer_shards(whole or plan, profile.optimizer_instances)
+    sharded = sharded_bytes_per_param(profile)
     measured = profile.tensor_parallel  # a measured shard's bytes x this: the whole stage's
     per_layer = profile.layer_activation_bytes * measured or shape.layer_activation_bytes()
     memory = {}
@@ -589,8 +608,32 @@ def _memory(plan: ExecutionPlan, res: SimResult, profile: Profile,
                                      last * profile.head_activation_bytes) * measured
         acts = res.peak_inflight[r] * kept // tensor_parallel
         params = stage_param_count(shape, layers, first, last, tensor_parallel)
-        memory[r] = params * profile.bytes_per_param + acts
+        state = params * profile.bytes_per_param
+        if shards[r] > 1:
+            state -= params * sharded * (shards[r] - 1) // shards[r]
+            if profile.buddy_copies:
+                state += params * (sharded + 8) // shards[r]
+        memory[r] = state + acts
     return memory
+
+
+def sharded_bytes_per_param(profile: Profile) -> int:
+    """What the distributed optimizer shards of a parameter's bytes: Adam's two moments, and
+    with 16-bit parameters their fp32 main copy (the parameter and its fp32 main gradient stay
+    whole on every replica)."""
+    return profile.bytes_per_param - profile.shape.bytes_per_element - 4
+
+
+def step_share(shards: int, buddy: bool) -> float:
+    """The part of its stage's parameters a rank's optimizer steps: its shard of `shards`,
+    twice with a buddy copy (its owner's shard too)."""
+    return (2.0 if buddy and shards > 1 else 1.0) / shards
+
+
+def optimizer_params(plan: ExecutionPlan, rank: int, profile: Profile) -> float:
+    """The parameters `rank`'s optimizer steps each iteration under `profile`'s sharding."""
+    shards = optimizer_shards(plan, profile.optimizer_instances)[rank]
+    return stage_params(plan, rank, profile.shape) * step_share(shards, profile.buddy_copies)
 
 
 def predict_homogeneous(plan: ExecutionPlan, profile: Profile) -> Prediction:
@@ -637,7 +680,7 @@ def predict_plan(plan: ExecutionPlan, profile: Profile) -> Prediction:
         return predict(plan, planned_schedule(plan), profile, validate=False)
     costs = ProfileCosts(part, profile, part_of=plan)
     res = simulate(part, planned_schedule(part), costs, timeline=False, validate=False)
-    memory = _memory(part, res, profile, plan.tensor_parallel)
+    memory = _memory(part, res, profile, plan.tensor_parallel, whole=plan)
     memory.update((r, memory[q]) for r, q in twin.items())
     # The bubble fraction is 1 - forward/backward busy time / (ranks x the end of the last
     # forward or backward); that end is the part's, the busy time adds the twins'.

@@ -86,6 +86,7 @@ from chameleon_ext.planning.perf_model import (MIB, ModelShape, Prediction, Prof
                                       stage_param_count, switch_ms, transition_ms)
 from chameleon_ext.planning.strategies import REGISTRY, Context
 from chameleon_ext.planning.strategies.redundancy import eager_cost, shadow_pairs
+from chameleon_ext.planning.strategies.base import repartition_bytes
 from chameleon_ext.schedule.choice import choose_schedule
 from chameleon_ext.schedule.ir import Schedule
 
@@ -243,8 +244,11 @@ def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation:
         if found is None:
             continue
         new = found.plan
+        # under the distributed optimizer the shards are cut again for the new replica groups
+        moved = 0 if strategy.restarts else \
+            strategy.moved_bytes(plan, new, lost, ctx) + repartition_bytes(plan, new, lost, profile)
         c = _candidate(name, new, after, transition_ms(
-            profile, moved_bytes=strategy.moved_bytes(plan, new, lost, ctx),
+            profile, moved_bytes=moved,
             loaded_bytes=_loaded_bytes(new, profile) if strategy.restarts else 0),
             found.prediction)
         c.lost_iterations = situation.iteration - situation.checkpoint_iteration \

@@ -24,7 +24,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
-from chameleon_ext.planning.perf_model import Profile, fit_layer_costs, overhead_ms, predict, stage_params
+from chameleon_ext.planning.perf_model import (Profile, fit_layer_costs, optimizer_params,
+                                             overhead_ms, predict)
 from chameleon_ext.planning.strategies.redundancy import eager_cost
 from chameleon_ext.schedule.choice import choose_schedule
 from chameleon_ext.schedule.ir import COMPUTE, Op, Schedule
@@ -45,7 +46,7 @@ class StageSample:
     layers: int
     first: bool
     last: bool
-    params: int
+    params: int                        # those its optimizer steps (perf_model.optimizer_params)
     iterations: int
     op_ms: dict[str, float]            # timer name -> mean wall time of one op
     op_cpu_ms: dict[str, float]        # timer name -> mean CPU time of one op ({}: not timed)
@@ -88,7 +89,7 @@ class Calibrator:
     _place: tuple = ()
     _memory: object = None
 
-    def start(self, plan: ExecutionPlan, rank: int, ops: list[Op], shape,
+    def start(self, plan: ExecutionPlan, rank: int, ops: list[Op], profile: Profile,
               shadows: bool = False, memory=None) -> None:
         """A new plan (`shadows`: whose iterations begin with eager redundancy's refresh;
         `memory`: the runtime's memory_meter.MemoryMeter): forget what was measured under the
@@ -99,8 +100,10 @@ class Calibrator:
             name = TIMER_OF.get(op.kind)
             if name:
                 self._counts[name] = self._counts.get(name, 0) + 1
+        # the parameters its optimizer steps (its shard under the distributed optimizer): what
+        # the optimizer timer's time is per
         self._place = (rank, plan.stage_of(rank).num_layers, plan.is_first_stage(rank),
-                       plan.is_last_stage(rank), stage_params(plan, rank, shape))
+                       plan.is_last_stage(rank), round(optimizer_params(plan, rank, profile)))
         self._iteration_ms = []
         self._skip = self.warmup
 
@@ -300,7 +303,7 @@ class LiveCalibration:
     def start(self, plan: ExecutionPlan, rank: int, ops: list[Op], shadows: bool = False,
               memory=None) -> None:
         self._generation = plan.generation
-        self.calibrator.start(plan, rank, ops, self.base.shape, shadows, memory)
+        self.calibrator.start(plan, rank, ops, self.base, shadows, memory)
 
     def after_iteration(self, elapsed_ms: float) -> None:
         self.calibrator.after_iteration(elapsed_ms)

@@ -38,7 +38,7 @@ from chameleon_ext.planning.decision import Decision
 from chameleon_ext.planning.perf_model import ModelShape, Profile, ProfileError, predict_plan
 from chameleon_ext.planning.strategies import redundancy
 from chameleon_ext.schedule.ir import COMPUTE
-from megatron.elastic import cpu_compat, memory_meter, runtime, state_transfer
+from megatron.elastic import cpu_compat, memory_meter, runtime, sharded_state, state_transfer
 from megatron.elastic.calibration import LiveCalibration
 from megatron.elastic.emulation import Emulation
 from megatron.elastic.manager import (PHASE_OF, Admission, DisabledManager, ElasticManager,
@@ -103,7 +103,12 @@ class Trainer:
                              else log.timing_log_level, "minmax")
         compute_clock = ComputeClock()
         shape = planning.model_shape(config.model, config.training.micro_batch_size)
-        self.emulation = Emulation(Profile.load(elastic.emulate), elastic.emulate_dilation, shape,
+        # How this job holds its optimizer state, for every profile it plans or emulates with.
+        held = {"optimizer_instances": config.parallel.optimizer_instances
+                if config.parallel.distributed_optimizer else 0,
+                "buddy_copies": elastic.shard_redundancy == "buddy"}
+        self.emulation = Emulation(replace(Profile.load(elastic.emulate), **held),
+                                   elastic.emulate_dilation, shape,
                                    elastic.emulate_storage_mib_per_s) \
             if elastic.emulate else None
         # The live profile the leader plans with, and the job's situation at a failure.
@@ -114,8 +119,9 @@ class Trainer:
             try:
                 # Emulating: plan as on the emulated devices (calibration refines it from
                 # the padded timers).
-                base = self.emulation.device_profile if self.emulation else \
-                    planning.base_profile(shape, elastic.profile, config.parallel.backend == "nccl")
+                base = self.emulation.device_profile if self.emulation else replace(
+                    planning.base_profile(shape, elastic.profile,
+                                          config.parallel.backend == "nccl"), **held)
             except ProfileError as e:
                 raise JobError(str(e), exit_code=2) from None
             store = connect_store()
@@ -529,8 +535,10 @@ class Trainer:
             for r, m in enumerate(everyone)])
 
     def _check_replicas(self) -> None:
-        mine = state_transfer.state_digests(self.built.runtime, self.tied)
         with self._boundary("shutdown"):
+            # the distributed optimizer's last step left the other replicas' shards ungathered
+            sharded_state.gather_parameters(self.built.runtime)
+            mine = state_transfer.state_digests(self.built.runtime, self.tied)
             self.reporter.replicas(_gather(mine))
 
     # ---- transitions -------------------------------------------------------------------------

@@ -29,10 +29,17 @@ def ref(small_data, tmp_path_factory):
     return run
 
 
+# The distributed optimizer with buddy copies: rank 3's shard of stage 1 survives in its buddy,
+# rank 1, which holds stage 1 whole after the reroute; the rejoin cuts it in two again and the
+# newcomer's buddy copy is set up anew.
+SHARDED = ["--use-distributed-optimizer", "--chameleon-shard-redundancy", "buddy"]
+
+
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("extra", [[], SHARDED], ids=["replicated", "sharded-buddy"])
 def test_a_restarted_worker_rejoins_and_the_plan_returns_to_failure_free(small_data, tmp_path,
-                                                                         ref):
-    run = run_chameleon(4, common(small_data) + [
+                                                                         ref, extra):
+    run = run_chameleon(4, common(small_data) + extra + [
         "--chameleon", "--chameleon-strategy", "reroute",
         "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"], tmp_path, name="rejoin",
         launcher_args=["--max-restarts", "1"], timeout=300)

@@ -167,15 +167,21 @@ def spare_profile(tmp_path) -> str:
     return str(profile)
 
 
-def test_a_spare_stands_by_and_substitutes_for_the_next_loss(references, small_data, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer",
+                                       "--num-distributed-optimizer-instances", "2"]],
+                         ids=["replicated", "sharded-2-instances"])
+def test_a_spare_stands_by_and_substitutes_for_the_next_loss(references, small_data, tmp_path,
+                                                             extra):
     """Warm spares: the restart after rank 3's loss at iteration 2 runs on 2 of the 3 survivors
     (data parallel 2, as the given profile predicts fastest), and launch rank 2 stands by,
     heartbeating, out of the world. Rank 1's loss in the checkpoint save of iteration 6 is
     absorbed by the spare taking its place (substitute: the layout kept, the state from rank 0,
     its replica), which then saves that checkpoint with rank 0 (the action the failure
     interrupted), and the job ends with every surviving worker exiting 0, on the failure-free
-    losses."""
-    run = run_chameleon(4, common(small_data, 2) + [
+    losses. With the distributed optimizer in 2 instances each rank of data parallel 2 holds
+    its stage's moments whole (an instance each), and the spare's come from rank 0 the same
+    way."""
+    run = run_chameleon(4, common(small_data, 2) + extra + [
         "--chameleon", "--chameleon-strategy", "restart", "--chameleon-profile",
         spare_profile(tmp_path),
         "--save", str(tmp_path / "ckpt"), "--save-interval", "3",

@@ -84,7 +84,7 @@ def test_calibrator_means_skip_the_warm_up():
     clock = ComputeClock()
     cal = Calibrator(lambda name, log_level: timers[name], clock, warmup=1)
     ops = one_f_one_b(PLAN).ops[0]
-    cal.start(PLAN, 0, ops, SHAPE)
+    cal.start(PLAN, 0, ops, base())
     timers["forward-compute"].total = 9.0  # the warm-up iteration: not counted
     clock.add("forward-compute", 5.0)
     cal.after_iteration(500.0)

@@ -406,3 +406,28 @@ def test_unknown_model_kinds_are_refused(tmp_path, field, value):
     (tmp_path / "p.json").write_text(json.dumps(d))
     with pytest.raises(ProfileError, match=field):
         Profile.load(tmp_path / "p.json")
+
+
+@pytest.mark.parametrize("buddy", [False, True], ids=["sharded", "buddy-copies"])
+def test_the_distributed_optimizer_holds_and_steps_a_shard(buddy):
+    """Pipeline 2 x data 4 with one instance: each rank holds 1/4 of the moments (8 of its 16
+    bytes a parameter) and steps 1/4 of its stage's parameters; a buddy copy holds and steps
+    its owner's quarter too, and waits for the owner's shard gradient. Two instances halve the
+    shard count; a rerouted plan keeps the instances that divide its replica groups."""
+    plan = ExecutionPlan.failure_free(8, 1, 2, 4, 1, 8)
+    plain = profile(optimizer_ms_per_mparam=2.0)
+    sharded = dataclasses.replace(plain, optimizer_instances=1, buddy_copies=buddy)
+    params = perf_model.stage_params(plan, 0, SHAPE)
+    step = perf_model.Op(perf_model.OpKind.OPT_STEP)
+    opt = perf_model.ProfileCosts(plan, sharded).compute(0, step)
+    message = plain.p2p_alpha_ms + plain.p2p_ms_per_mib * 4 * params / 4 / MIB
+    assert opt == pytest.approx(2.0 * params / 1e6 / 4 * (2 if buddy else 1)
+                                + (message if buddy else 0.0))
+    mem_plain = predict_plan(plan, plain).memory_bytes[0]
+    mem = predict_plan(plan, sharded).memory_bytes[0]
+    assert mem_plain - mem == params * 8 * 3 // 4 - (params * 16 // 4 if buddy else 0)
+    assert perf_model.optimizer_params(plan, 0, sharded) == params / 4 * (2 if buddy else 1)
+    two = dataclasses.replace(sharded, optimizer_instances=2)
+    assert perf_model.optimizer_params(plan, 0, two) == params / 2 * (2 if buddy else 1)
+    assert perf_model.optimizer_params(reroute(plan, {3}), 0, two) == \
+        params / 3 * (2 if buddy else 1)

@@ -2,12 +2,20 @@
 the decider's answer: state carried over while every shard has a copy, else a restart from the
 checkpoint that says which shard is lost."""
 
+import dataclasses
+
 import pytest
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.plan.sharding import instances_for, lost_shards, shard_holders
 from chameleon_ext.planning.decider import Decider
+from chameleon_ext.planning.perf_model import ModelShape, sharded_bytes_per_param, stage_params
+from chameleon_ext.planning.strategies.base import repartition_bytes
 from chameleon_ext.planning.strategies.reroute import reroute
+from tests.profiles import synthetic_profile
+
+SHAPE = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                   micro_batch_size=1, vocab_size=512)
 
 
 def pp2_dp4() -> ExecutionPlan:
@@ -56,3 +64,19 @@ def test_with_one_instance_a_lost_shard_restarts_from_the_checkpoint_and_says_wh
     if strategy == "reroute":
         assert kept.strategy == "reroute" and kept.why is None
 
+
+
+@pytest.mark.parametrize("instances", [1, 2])
+def test_re_partitioning_moves_the_parts_of_the_new_shards_the_old_ones_did_not_cover(
+        instances):
+    """Data 4 -> 3 (rank 3 rerouted): with one instance the survivors' quarters become thirds
+    (1/12 + 1/6 + 1/4 of the stage's moments arrive); with two, halves become thirds (0 + 1/6
+    + 1/3). Either way half the stage's sharded state moves, as the executed reroute measured
+    (904,800 of 1,813,712 bytes of moments, tests/e2e/test_sharded_recovery.py)."""
+    plan = ExecutionPlan.failure_free(4, 1, 1, 4, 1, 8)
+    prof = synthetic_profile(SHAPE, layer_fwd_ms=1.0)
+    sharded = dataclasses.replace(prof, optimizer_instances=instances)
+    whole = stage_params(plan, 0, SHAPE) * sharded_bytes_per_param(sharded)
+    new = reroute(plan, {3})
+    assert repartition_bytes(plan, new, {3}, sharded) == round(whole / 2)
+    assert repartition_bytes(plan, new, {3}, prof) == 0          # replicated: nothing to cut

@@ -6,9 +6,10 @@ and one instance, without and with buddy copies, alternated (--repeats of each).
 run's median iteration time (the first two iterations left out as warm-up), the medians of
 each setting, and the buddy's upkeep as their ratio.
 
-What the emulation does not charge is said beside the result: the copy's twin step runs inside
-the emulated optimizer step, whose padding hides it where it is shorter (on a device it costs
-about 1/DP of a step); its gradient message is real gloo traffic between processes on this host.
+The emulated optimizer step is padded to the performance model's time for the job's sharding
+(perf_model.ProfileCosts: a shard's step, twice with a buddy copy, plus the owner's gradient
+message), so the upkeep shown is the model's cost of the copy as the emulated devices run it;
+what the emulation does not charge is said beside the result.
 
     python tools/bench/buddy_upkeep.py [--pipeline 2] [--data 4] [--dilation 60] [--repeats 2]
 """
@@ -81,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{ranks} emulated ranks (pipeline {a.pipeline} x data {a.data}, dilation "
           f"{a.dilation:g}), distributed optimizer, 1 instance: median iteration {plain:.1f} ms "
           f"plain, {buddy:.1f} ms with buddy copies: upkeep {100 * (buddy / plain - 1):+.2f}%")
-    print("not emulated: the copy's twin step runs inside the padded optimizer step (hidden "
-          "where shorter); its gradient message is this host's gloo")
+    print("not emulated: the gradient message also crosses this host's gloo, inside the padded "
+          "step where it fits")
     return 0
 
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ext.planning.perf_model import Prediction, Profile
+from chameleon_ext.plan.sharding import instances_for, replica_groups
+from chameleon_ext.planning.perf_model import (Prediction, Profile, sharded_bytes_per_param,
+                                               stage_params)
 from chameleon_ext.planning.strategies.redundancy import shadow_pairs
 
 
@@ -168,6 +170,38 @@ def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
                 extra += shape.output_params(first)
             total += len(st.ranks) * (12 * extra // plan.tensor_parallel)
     return total
+
+
+def repartition_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
+                      profile: Profile) -> int:
+    """Under the distributed optimizer (profile.optimizer_instances): the sharded state
+    (perf_model.sharded_bytes_per_param) each survivor that keeps its layers receives for the
+    part of its new shard its old shard did not cover, when its replica group or its place in
+    it changed (a layer new to a rank is moved_bytes' to count)."""
+    if not profile.optimizer_instances:
+        return 0
+
+    def spans(p: ExecutionPlan) -> dict[int, tuple[float, float]]:
+        """rank -> the part of its stage's flattened state its shard covers."""
+        k = instances_for(p, profile.optimizer_instances)
+        out = {}
+        for dp in replica_groups(p):
+            size = len(dp) // k
+            out.update((r, (i % size / size, (i % size + 1) / size)) for i, r in enumerate(dp))
+        return out
+
+    was, now = spans(plan), spans(new)
+    survivors = plan.survivors(lost, new.world_size)
+    total = 0.0
+    for r in new.ranks:
+        old = survivors[r]
+        if (plan.stage_of(old).layer_start, plan.stage_of(old).layer_end) != \
+                (new.stage_of(r).layer_start, new.stage_of(r).layer_end):
+            continue
+        (a, b), (c, d) = was[old], now[r]
+        fresh = (d - c) - max(0.0, min(b, d) - max(a, c))
+        total += fresh * stage_params(new, r, profile.shape) * sharded_bytes_per_param(profile)
+    return round(total)
 
 
 def state_survives(plan: ExecutionPlan, lost: set[int], eager: bool) -> bool:
