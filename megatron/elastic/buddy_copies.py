@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer import optimizer as mcore_optimizer
 
-from megatron.elastic import sharded_state
+from megatron.elastic import sharded_state, state_transfer
 
 
 @dataclass
@@ -55,9 +54,11 @@ class _Ring:
 
 
 class BuddyCopies:
-    def __init__(self, optimizer, named: Callable[[], dict[str, torch.nn.Parameter]]) -> None:
-        """`named`: this rank's parameters by global name (state_transfer.named_parameters)."""
-        self.named = named
+    def __init__(self, optimizer, tied_embeddings: bool) -> None:
+        # Nothing here refers to the runtime (setup is handed it): a cycle through it kept the
+        # plan's groups, and their sockets, alive past the runtime's teardown, and a peer
+        # blocked on one waited for its timeout (5 s) instead of failing at once.
+        self.tied = tied_embeddings
         self.rings = []
         for o in sharded_state.distributed(optimizer):
             ring = dist.get_process_group_ranks(o.data_parallel_group)
@@ -73,11 +74,11 @@ class BuddyCopies:
                    for t in [c.param, *self._state(r, c).values()]
                    if isinstance(t, torch.Tensor))
 
-    def setup(self) -> None:
+    def setup(self, rt) -> None:
         """Collective over each replica group: every owner sends its buddy its slices; the
-        copies' values come from this rank's whole parameters (current: call it before a step
-        leaves them behind)."""
-        params = self.named()
+        copies' values come from the whole parameters of this rank's runtime `rt` (current:
+        call it before a step leaves them behind)."""
+        params = state_transfer.named_parameters(rt, self.tied)
         names = {id(p): name for name, p in params.items()}
         for r in self.rings:
             o = r.optimizer

@@ -197,8 +197,7 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     if spec.measure_memory:
         rt.memory = MemoryMeter(module, first, last)
     if sharding.buddy and sharding.distributed_optimizer:
-        rt.buddy = BuddyCopies(optimizer,
-                               lambda: state_transfer.named_parameters(rt, tied_embeddings))
+        rt.buddy = BuddyCopies(optimizer, tied_embeddings)
     pairs = redundancy.shadow_pairs(plan) if spec.eager else []
     if pairs:
         rt.shadows = Shadows(rt, tied_embeddings, pairs)

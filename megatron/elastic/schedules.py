@@ -211,7 +211,7 @@ class Executor:
         if not rt.model.ddp_config.overlap_param_gather:
             sharded_state.gather_parameters(rt)
         if rt.buddy is not None and not rt.buddy.ready:
-            rt.buddy.setup()   # after any restore or load, with the whole parameters current
+            rt.buddy.setup(rt)   # after any restore or load, with the whole parameters current
         rt.model.zero_grad_buffer()
         rt.optimizer.zero_grad()
         self._loss_sum.zero_()

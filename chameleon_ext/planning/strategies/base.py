@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
-from chameleon_ext.plan.sharding import instances_for, replica_groups
+from chameleon_ext.plan.sharding import instances_for, lost_shards, replica_groups
 from chameleon_ext.planning.perf_model import (Prediction, Profile, sharded_bytes_per_param,
                                                stage_params)
 from chameleon_ext.planning.strategies.redundancy import shadow_pairs
@@ -39,6 +39,16 @@ class Context:
         if self.profile is None:
             return None
         return self.profile.for_survivors(set(plan.ranks) - set(plan.survivors(lost)))
+
+    def keeps_state(self, plan: ExecutionPlan, gone: set[int]) -> bool:
+        """Whether the ranks of `plan` outside `gone` (lost, or left idle: a spare drops its
+        state) hold every layer's state and, under the distributed optimizer
+        (profile.optimizer_instances), a copy of every shard."""
+        if not state_survives(plan, gone, self.eager):
+            return False
+        p = self.profile
+        return p is None or not p.optimizer_instances or \
+            not lost_shards(plan, gone, p.optimizer_instances, p.buddy_copies)
 
     def stage_cost(self):
         """(layers, first, last) -> the stage's forward + backward ms; layers as the cost

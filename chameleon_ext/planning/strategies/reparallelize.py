@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.planning.perf_model import predict_plan
 from chameleon_ext.planning.strategies.base import (Context, Proposal, balanced_layers_by_depth,
-                                          moved_bytes, state_survives)
+                                          moved_bytes)
 from chameleon_ext.planning.strategies.restart import replanned
 
 # (layers, first, last) -> forward + backward ms of one micro-batch on such a stage
@@ -222,10 +222,9 @@ class Reparallelize:
                 best = Proposal(new, pred)
         subset = replanned(plan, lost, after)
         # The survivors it leaves idle go with their state: the ones it uses must hold it all.
-        if subset is not None and state_survives(
-                plan, set(plan.ranks) - set(plan.survivors(lost, subset[0].world_size)),
-                ctx.eager) and (best is None or subset[1].iteration_ms
-                                < best.prediction.iteration_ms):
+        if subset is not None and ctx.keeps_state(
+                plan, set(plan.ranks) - set(plan.survivors(lost, subset[0].world_size))) and \
+                (best is None or subset[1].iteration_ms < best.prediction.iteration_ms):
             best = Proposal(*subset)
         return best
 
