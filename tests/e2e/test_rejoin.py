@@ -143,7 +143,7 @@ def test_a_restart_delay_keeps_the_slot_empty(small_data, tmp_path):
 @pytest.mark.timeout(400)
 def test_under_auto_a_rejoin_that_moving_state_would_not_pay_for_is_deferred(small_data,
                                                                              tmp_path, ref):
-    """The given profile prices moving state between peers at 20 s per MiB and reading a
+    """The given profile prices moving state between peers at 2 s per MiB and reading a
     checkpoint at 1 ms per MiB: after rank 3's loss, admitting its restarted slot now (its
     stage's state from a replica) costs more than it saves, so the leader defers it: to the
     next periodic save, where every rank reads that checkpoint (a `restart` onto the
@@ -153,7 +153,7 @@ def test_under_auto_a_rejoin_that_moving_state_would_not_pay_for_is_deferred(sma
     profile = tmp_path / "profile.json"
     synthetic_profile(ModelShape(4, 64, 4, 32, 2, 384), layer_fwd_ms=5.0,
                       layer_bwd_input_ms=5.0, layer_bwd_weight_ms=5.0, head_fwd_ms=2.0,
-                      head_bwd_ms=2.0, p2p_alpha_ms=0.05, p2p_ms_per_mib=500.0,
+                      head_bwd_ms=2.0, p2p_alpha_ms=0.05, p2p_ms_per_mib=2000.0,
                       allreduce_alpha_ms=0.1, allreduce_ms_per_mib=1.0,
                       load_ms_per_mib=1.0).save(profile)
     run = run_chameleon(4, common(small_data) + [
