@@ -36,8 +36,7 @@ def reference(small_data, tmp_path_factory) -> list[float]:
 # (its buddy steps the copy).
 CASES = [(1, 2, "none", "reroute", "backward"),
          (1, 2, "none", "reparallelize", "between-iterations"),
-         (2, 2, "none", "takeover", "backward"), (1, 2, "none", "auto", "commit"),
-         (1, 1, "buddy", "reroute", "between-iterations"), (1, 1, "buddy", "auto", "commit"),
+         (2, 2, "none", "takeover", "backward"), (1, 1, "buddy", "auto", "commit"),
          (2, 1, "buddy", "takeover", "backward"),
          (1, 1, "buddy", "reparallelize", "between-iterations"),
          (1, 1, "none", "auto", "backward")]
