@@ -115,7 +115,7 @@ def capture(rt: StageRuntime, tied_embeddings: bool) -> CarriedState:
         optimizer={}, scheduler=rt.scheduler.state_dict(), pieces=pieces)
 
 
-def _holdings(state: CarriedState) -> dict[str, list[Piece]]:
+def holdings(state: CarriedState) -> dict[str, list[Piece]]:
     """Everything `state` holds, as pieces (whole tensors as one piece each)."""
     out: dict[str, list[Piece]] = {}
     for name, p in state.params.items():
@@ -154,11 +154,12 @@ def _segment(piece: Piece, a: int, b: int) -> dict[str, object]:
             if isinstance(v, torch.Tensor) and v.dim() else v for k, v in piece.values.items()}
 
 
-def assemble(state: CarriedState, name: str, kind: str, start: int, end: int
+def assemble(held: list[Piece], name: str, kind: str, start: int, end: int
              ) -> dict[str, object] | None:
-    """Elements [start, end) of `name`'s `kind` from what `state` holds (new tensors); None
-    when it holds no piece of that kind of `name`, raises StateLost when it holds only part."""
-    pieces = [pc for pc in _holdings(state).get(name, []) if pc.kind == kind]
+    """Elements [start, end) of `name`'s `kind` from `held`, what a rank holds of it
+    (holdings(state)[name]), as new tensors; None when it holds no piece of that kind, raises
+    StateLost when it holds only part."""
+    pieces = [pc for pc in held if pc.kind == kind]
     if not pieces:
         return None
     segments = _cover([(pc.start, pc.end, pc) for pc in pieces], start, end)
@@ -195,7 +196,7 @@ def fetch_missing(state: CarriedState, needed: dict[str, list[tuple[str, int, in
     bytes this rank received."""
     world = dist.get_world_size()
     me = dist.get_rank()
-    held = _holdings(state)
+    held = holdings(state)
     gaps = []
     for name, parts in sorted(needed.items()):
         for kind, a, b in parts:
@@ -228,7 +229,7 @@ def fetch_missing(state: CarriedState, needed: dict[str, list[tuple[str, int, in
     for (src, dst), parts in sorted(pairs.items()):
         if src == me:
             tensors = [t for name, kind, a, b in parts
-                       for t in _tensors(assemble(state, name, kind, a, b))]
+                       for t in _tensors(assemble(held.get(name, []), name, kind, a, b))]
             handles += [dist.isend(flat, dst) for flat in pack_by_dtype(tensors).values()]
         elif dst == me:
             layouts = offers[src][2]
@@ -332,9 +333,10 @@ def restore(state: CarriedState, rt: StageRuntime, tied_embeddings: bool) -> Non
     """`state` (after fetch_missing) into the runtime `rt`: the whole parameters, and the
     optimizer's state whole or, under the distributed optimizer, the slices it steps."""
     named = named_parameters(rt, tied_embeddings)
+    held = holdings(state)
     with torch.no_grad():
         for name, p in named.items():
-            values = assemble(state, name, PARAM, 0, p.numel())
+            values = assemble(held.get(name, []), name, PARAM, 0, p.numel())
             if values is None:
                 raise RuntimeError(f"rank {rt.rank} lacks {name} for its new stage; "
                                    "fetch_missing() brings it from its holders")
@@ -342,11 +344,12 @@ def restore(state: CarriedState, rt: StageRuntime, tied_embeddings: bool) -> Non
         if sharded_state.is_sharded(rt.optimizer):
             names = {id(p): k for k, p in named.items()}
             for sl, opt in sharded_state.slice_states(rt.optimizer):
-                _fill(opt, assemble(state, names[id(sl.param)], OPTIM, sl.start, sl.end),
+                name = names[id(sl.param)]
+                _fill(opt, assemble(held.get(name, []), name, OPTIM, sl.start, sl.end),
                       sl.shard.shape)
         else:
             for name, opt in optimizer_state(rt, tied_embeddings).items():
-                _fill(opt, assemble(state, name, OPTIM, 0, named[name].numel()),
+                _fill(opt, assemble(held.get(name, []), name, OPTIM, 0, named[name].numel()),
                       named[name].shape)
     rt.scheduler.load_state_dict(state.scheduler)
 

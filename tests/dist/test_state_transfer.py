@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron.elastic.state_transfer import (OPTIM, PARAM, CarriedState, Piece, StateLost,
-                                             assemble, fetch_missing)
+                                             assemble, fetch_missing, holdings)
 from tests.launch import spawn_ranks
 
 pytestmark = pytest.mark.slow
@@ -91,11 +91,11 @@ def _run(layout: dict, stepped: bool | None) -> dict:
 
 
 def _param(state: CarriedState, name: str) -> torch.Tensor:
-    return assemble(state, name, PARAM, 0, 15)["param"].view(3, 5)
+    return assemble(holdings(state).get(name, []), name, PARAM, 0, 15)["param"].view(3, 5)
 
 
 def _optim(state: CarriedState, name: str, a: int = 0, b: int = 15) -> dict:
-    return assemble(state, name, OPTIM, a, b)
+    return assemble(holdings(state).get(name, []), name, OPTIM, a, b)
 
 
 @pytest.mark.parametrize("stepped", [True, False], ids=["after-a-step", "before-any-step"])
