@@ -5,7 +5,8 @@ group. With N instances (--num-distributed-optimizer-instances) the replica grou
 megatron-core's initialize_model_parallel cuts it: N consecutive chunks, each sharding the state
 once, so the shard at place i of a chunk is held by the rank at place i of every chunk. A shard
 whose every holder is lost is gone: only a checkpoint has it. With buddy copies
-(--chameleon-shard-redundancy buddy) the next rank of the same chunk, in a ring, holds a copy too.
+(--chameleon-shard-redundancy buddy) the previous rank of the same chunk, in a ring, holds a copy
+too (the message that keeps it then runs against the ring reduction's direction).
 
 A plan keeps the instances it was asked for only where they divide every replica group (a
 recovery that leaves a stage 3 replicas of 4 cannot cut it in 2); else the most that do, down to
@@ -72,7 +73,7 @@ def shard_holders(plan: ExecutionPlan, instances: int, buddy: bool = False
         size = len(dp) // k
         for i in range(size):
             owners = dp[i::size]
-            buddies = [dp[c + (i + 1) % size] for c in range(0, len(dp), size)] \
+            buddies = [dp[c + (i - 1) % size] for c in range(0, len(dp), size)] \
                 if buddy and size > 1 else []
             out.append(tuple(owners + buddies))
     return out

@@ -240,9 +240,12 @@ class Profile:
     # How the job holds its optimizer state: the distributed optimizer's instances
     # (--num-distributed-optimizer-instances; 0: replicated whole, not sharded), and whether
     # each shard has a buddy copy (--chameleon-shard-redundancy buddy). A sharded rank steps
-    # and holds its shard of what sharded_bytes_per_param counts (optimizer_params).
+    # and holds its shard of what sharded_bytes_per_param counts (optimizer_params). With
+    # --overlap-grad-reduce megatron-core reduces gradients in buckets (grad_buckets), and a
+    # buddy copy's gradient message of one bucket runs beside the next bucket's reduction.
     optimizer_instances: int = 0
     buddy_copies: bool = False
+    overlap_grad_reduce: bool = False
     device_memory_bytes: int = 0       # per rank; 0: not limited
     cores: float = 0.0
     ranks_per_host: int = 0            # 0: all ranks on one host (with cores > 0)
@@ -422,10 +425,16 @@ class ProfileCosts:
         shards = optimizer_shards(whole, profile.optimizer_instances)
         self._stepped = {r: self._params[r] * step_share(shards[r], profile.buddy_copies)
                          for r in plan.ranks}
-        # A buddy's copy steps from its owner's shard gradient, sent before the commit.
-        self._buddy_ms = {r: profile.p2p_alpha_ms + profile.p2p_ms_per_mib * 4 *
-                          self._params[r] / shards[r] / MIB
-                          for r in plan.ranks if profile.buddy_copies and shards[r] > 1}
+        # A buddy's copy steps from its owner's shard gradient, sent before the commit: a
+        # bucket's part once the bucket is reduced, to the previous rank of the ring, so on
+        # full-duplex links it crosses each link the other way than the ring's reduction of
+        # the next bucket; the tied embedding's part goes after its sum over the first and
+        # last stages (buddy_message_ms).
+        self._buddy_ms = {r: buddy_message_ms(
+            profile, self._params[r], shards[r],
+            profile.shape.vocab_size * profile.shape.hidden_size / tp   # one end of a pipeline
+            if profile.shape.tied_embeddings and self._stage[r][1] != self._stage[r][2] else 0.0)
+            for r in plan.ranks if profile.buddy_copies and shards[r] > 1}
         self._segments = _segment_costs(plan, whole, profile) \
             if whole.misaligned_stages() is not None else {}
         self._group_sizes: dict[int, int] = {}
@@ -459,8 +468,7 @@ class ProfileCosts:
         else:
             raise ValueError(f"rank {rank}, {op}: compute() is only defined for fwd, bwd, "
                              "bwd_input, bwd_weight and optimizer_step")
-        return ms * self.load[rank] * self._slow.get(rank, 1.0) + \
-            (self._buddy_ms.get(rank, 0.0) if kind is OpKind.OPT_STEP else 0.0)
+        return ms * self.load[rank] * self._slow.get(rank, 1.0)
 
     def p2p(self, src: int, dst: int, op: Op) -> float:
         return self._msg_ms
@@ -469,7 +477,8 @@ class ProfileCosts:
         if self._segments:  # one all-reduce per segment of layers, one after the other
             return self._segments.get(ranks, 0.0)
         return allreduce_ms(self.profile, self._group_sizes.get(ranks[0], len(ranks)),
-                            self._params[ranks[0]] * 4)  # fp32 main grads
+                            self._params[ranks[0]] * 4) + \
+            self._buddy_ms.get(ranks[0], 0.0)  # fp32 main grads; a group's shards are alike
 
 
 def _segment_costs(plan: ExecutionPlan, whole: ExecutionPlan,
@@ -628,6 +637,24 @@ def step_share(shards: int, buddy: bool) -> float:
     """The part of its stage's parameters a rank's optimizer steps: its shard of `shards`,
     twice with a buddy copy (its owner's shard too)."""
     return (2.0 if buddy and shards > 1 else 1.0) / shards
+
+
+def grad_buckets(params: float, replicas: int, overlap_grad_reduce: bool) -> int:
+    """The buckets megatron-core's DDP reduces `params` gradients in over `replicas` ranks:
+    with --overlap-grad-reduce its default bucket size, max(40M, 1M x replicas) parameters,
+    else one bucket."""
+    if not overlap_grad_reduce:
+        return 1
+    return max(1, math.ceil(params / max(40e6, 1e6 * replicas)))
+
+
+def buddy_message_ms(profile: Profile, params: float, shards: int, late: float = 0.0) -> float:
+    """What a reduction of `params` gradients sharded `shards` ways waits for a buddy's
+    gradient message: the fp32 shard of the last bucket (grad_buckets), the others having
+    crossed the links while later buckets were reduced, or of the `late` parameters summed
+    again after the reduction (a tied embedding's), whichever is larger."""
+    last = max(params / grad_buckets(params, shards, profile.overlap_grad_reduce), late)
+    return profile.p2p_alpha_ms + profile.p2p_ms_per_mib * 4 * last / shards / MIB
 
 
 def optimizer_params(plan: ExecutionPlan, rank: int, profile: Profile) -> float:

@@ -86,7 +86,7 @@ from chameleon_ext.planning.perf_model import (MIB, ModelShape, Prediction, Prof
                                       stage_param_count, switch_ms, transition_ms)
 from chameleon_ext.planning.strategies import REGISTRY, Context
 from chameleon_ext.planning.strategies.redundancy import eager_cost, shadow_pairs
-from chameleon_ext.planning.strategies.base import repartition_bytes
+from chameleon_ext.planning.strategies.base import Objective, repartition_bytes
 from chameleon_ext.schedule.choice import choose_schedule
 from chameleon_ext.schedule.ir import Schedule
 
@@ -222,19 +222,28 @@ def cycle_total(c: Candidate, win: Window) -> float:
 
 
 def candidates(plan: ExecutionPlan, lost: set[int], profile: Profile, situation: Situation,
-               strategies: tuple[str, ...] = STRATEGIES, spares: int = 0) -> list[Candidate]:
+               strategies: tuple[str, ...] = STRATEGIES, spares: int = 0,
+               by_objective: bool = True) -> list[Candidate]:
     """Every strategy's plan over the survivors of `plan` without the ranks `lost` (the
     registry's proposals), predicted, costed over the horizon, cheapest first (infeasible ones
     last). The profile's slow ranks are those of `plan`. The unit is a tensor-parallel group:
     every strategy removes each group with a lost rank whole and numbers the ranks it keeps
     densely in their old order, so a candidate's new rank i is plan.survivors(lost, its world
     size)[i]; `spares` ranks wait out of the plan, and a substitute's ranks past those are
-    theirs."""
+    theirs. `by_objective` (auto): the strategies that search layouts take the one the
+    window's running cost rates cheapest (its next failure weighed: the fastest layout may be
+    one that every loss forces to restart), where the window's pace is known
+    (`Situation.failure_free_ms`); else, as a forced strategy does, the fastest."""
     if not plan.survivors(lost):
         return []
     hybrid = "reroute+restart" in strategies
     profile = profile.at_tensor_parallel(plan.tensor_parallel)
-    ctx = Context(profile, situation.eager_redundancy, spares)
+    objective = None
+    if by_objective and situation.failure_free_ms > 0:
+        ahead = window(situation, situation.failure_free_ms)
+        objective = Objective(ahead.iterations, lambda new, ms: running_ms(
+            new, ms, profile, situation, ahead))
+    ctx = Context(profile, situation.eager_redundancy, spares, objective)
     after = ctx.after(plan, lost)
     proposed: dict[str, Candidate] = {}
     for name, strategy in REGISTRY.items():

@@ -1,12 +1,15 @@
 """Buddy copies of the distributed optimizer's shards (--chameleon-shard-redundancy buddy).
 
 With one distributed-optimizer instance each shard of the Adam moments lives on one rank: a lost
-rank takes its shard with it. Here every rank also holds a copy of the shard of the rank before
+rank takes its shard with it. Here every rank also holds a copy of the shard of the rank after
 it in its replica group's ring (its owner), kept in lockstep Bamboo-style, by redundant
 computation rather than by copying state after each step:
 
 - before the step's commit, each rank sends its buddy the reduced gradient of its shard
-  (point-to-point; a loss there aborts the step like any other before the commit);
+  (point-to-point; a loss there aborts the step like any other before the commit), one bucket's
+  part as soon as megatron-core's DDP has reduced that bucket: on a device the message then
+  crosses the links while the next bucket is reduced, the other way than the ring reduction
+  (to the previous rank), and only the last bucket's part waits (perf_model.buddy_message_ms);
 - after the commit, the buddy clips that gradient by the same global norm and steps its copy
   with a twin of the owner's torch optimizer, whose hyperparameters it takes from its own param
   groups (every rank's LR schedule is the same): elementwise the same arithmetic on the same
@@ -38,6 +41,7 @@ class _Copy:
     start: int                  # the owner's slice of it, flattened: [start, end)
     end: int
     group: int                  # the owner's param group of the slice
+    bucket: int                 # the DDP bucket group its message goes with (LATE: after all)
     param: torch.nn.Parameter   # the copy's values (its .grad: the owner's reduced gradient)
 
 
@@ -49,8 +53,13 @@ class _Ring:
     buddy: int
     owner: int
     copies: list[_Copy]
+    # this rank's shard, each slice by its bucket group: (bucket, parameter, start, end)
+    mine: list[tuple[int, torch.nn.Parameter, int, int]] | None = None
     twin: torch.optim.Optimizer | None = None
     groups: list[int] | None = None   # the twin's param group i mirrors the owner's groups[i]
+
+
+LATE = -1   # a _Copy's bucket when its gradient is summed again after the DDP reduction
 
 
 class BuddyCopies:
@@ -64,9 +73,10 @@ class BuddyCopies:
             ring = dist.get_process_group_ranks(o.data_parallel_group)
             if len(ring) > 1:
                 i = ring.index(dist.get_rank())
-                self.rings.append(_Ring(o, ring[(i + 1) % len(ring)], ring[(i - 1) % len(ring)],
+                self.rings.append(_Ring(o, ring[(i - 1) % len(ring)], ring[(i + 1) % len(ring)],
                                         []))
         self.ready = False
+        self._handles: list = []   # messages sent or awaited before the commit
 
     @property
     def held_bytes(self) -> int:
@@ -80,16 +90,20 @@ class BuddyCopies:
         call it before a step leaves them behind)."""
         params = state_transfer.named_parameters(rt, self.tied)
         names = {id(p): name for name, p in params.items()}
+        bucket = {id(p): k for k, g in enumerate(_bucket_groups(rt.model)) for p in g.params}
+        bucket.update((i, LATE) for i in _summed_again(rt))
         for r in self.rings:
             o = r.optimizer
             mine = sharded_state.slice_states_of(o)
+            r.mine = [(bucket[id(sl.param)], sl.param, sl.start, sl.end) for sl, _ in mine]
             meta = [(names[id(sl.param)], sl.start, sl.end, _group_of(o.optimizer, sl.shard),
-                     bool(state)) for sl, state in mine]
+                     bucket[id(sl.param)], bool(state)) for sl, state in mine]
             everyone: list = [None] * o.data_parallel_group.size()
             dist.all_gather_object(everyone, meta, group=o.data_parallel_group)
             theirs = everyone[dist.get_group_rank(o.data_parallel_group, r.owner)]
-            r.copies = [_Copy(name, a, b, k, torch.nn.Parameter(
-                params[name].detach().reshape(-1)[a:b].clone())) for name, a, b, k, _ in theirs]
+            r.copies = [_Copy(name, a, b, k, g, torch.nn.Parameter(
+                params[name].detach().reshape(-1)[a:b].clone()))
+                for name, a, b, k, g, _ in theirs]
             r.groups = sorted({c.group for c in r.copies})
             if r.copies:
                 r.twin = _twin(o.optimizer, [
@@ -116,23 +130,37 @@ class BuddyCopies:
                     at += 2 * n + 1
         self.ready = True
 
-    def send_gradients(self) -> None:
-        """Before the commit: each rank's reduced shard gradients to its buddy, the owner's
-        into the copies' gradients."""
-        handles = []
+    def reduce_gradients(self, model) -> None:
+        """Before the commit, in place of megatron-core's DistributedDataParallel
+        .finish_grad_sync(): each bucket group's reduction is finished in DDP's order, and then
+        this rank's reduced shard of it goes to its buddy while its owner's comes into the
+        copies' gradients (the LATE ones' wait for send_late)."""
+        self._handles = []
+        for k, group in enumerate(_bucket_groups(model)):
+            group.finish_grad_sync()
+            self._exchange(k)
+
+    def send_late(self) -> None:
+        """After the sums that follow the DDP reduction: the LATE gradients, then every message
+        is complete."""
+        self._exchange(LATE)
+        for h in self._handles:
+            h.wait()
+        self._handles = []
+
+    def _exchange(self, bucket: int) -> None:
         for r in self.rings:
-            mine = [sl.shard.grad for sl, _ in sharded_state.slice_states_of(r.optimizer)]
-            if mine:
-                handles.append(dist.isend(_flat([g.reshape(-1) for g in mine]), r.buddy))
-            if r.copies:
-                buf = torch.empty(sum(c.end - c.start for c in r.copies), dtype=torch.float32)
-                handles.append(dist.irecv(buf, r.owner))
+            mine = [p.main_grad.reshape(-1)[a:b] for k, p, a, b in r.mine if k == bucket]
+            if mine:   # the main grads' slices, as the owner's step reads them
+                self._handles.append(dist.isend(_flat(mine), r.buddy))
+            theirs = [c for c in r.copies if c.bucket == bucket]
+            if theirs:
+                buf = torch.empty(sum(c.end - c.start for c in theirs), dtype=torch.float32)
+                self._handles.append(dist.irecv(buf, r.owner))
                 at = 0
-                for c in r.copies:
+                for c in theirs:
                     c.param.grad = buf[at:at + c.end - c.start]
                     at += c.end - c.start
-        for h in handles:
-            h.wait()
 
     @torch.no_grad()
     def step(self, total_norm: float, clip_grad: float) -> None:
@@ -164,6 +192,26 @@ def _twin(inner: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optim
     settings its constructor does not take, such as AdamW's decoupled_weight_decay)."""
     takes = inspect.signature(type(inner).__init__).parameters
     return type(inner)(groups, **{k: v for k, v in inner.defaults.items() if k in takes})
+
+
+def _bucket_groups(model) -> list:
+    """megatron-core DDP's bucket groups, in the order its finish_grad_sync finishes them."""
+    return model.bucket_groups + model.expert_parallel_bucket_groups
+
+
+def _summed_again(rt) -> set[int]:
+    """ids of the parameters whose gradients the executor sums again after the DDP reduction:
+    the tied embedding over its first and last stages, and with tensor parallelism those that
+    megatron-core's _allreduce_non_tensor_model_parallel_grads picks (its own rule, repeated:
+    it offers no list)."""
+    out = {id(rt.tied_weight)} if rt.embedding_group is not None else set()
+    config = rt.module.config
+    if rt.module.pg_collection.tp.size() > 1:
+        out |= {id(p) for name, p in rt.model.named_parameters() if p.requires_grad and (
+            getattr(p, "average_gradients_across_tp_domain", False)
+            or (config.sequence_parallel and getattr(p, "sequence_parallel", False))
+            or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))}
+    return out
 
 
 def _group_of(inner: torch.optim.Optimizer, shard: torch.Tensor) -> int:

@@ -179,8 +179,6 @@ class Executor:
             if op.kind is OpKind.OPT_STEP:
                 self._check_finished()
                 norm_sq = self._timed(timer, iteration, optimizer_step.prepare, rt.optimizer)
-                if rt.buddy is not None:
-                    rt.buddy.send_gradients()   # before the commit: a loss here aborts the step
                 # The commit: outside the optimizer's timer (it waits for the slowest rank).
                 totals, norm = self._commit(iteration, norm_sq)
                 result = self._timed(timer, iteration, self._apply_step, norm)
@@ -461,7 +459,10 @@ class Executor:
 
     def _reduce_grads(self, op: Op, iteration: int) -> None:
         self._grads_synced = self._tp_sum_began = False
-        self.rt.model.finish_grad_sync()
+        if self.rt.buddy is not None:
+            self.rt.buddy.reduce_gradients(self.rt.model)  # and the buddies' messages
+        else:
+            self.rt.model.finish_grad_sync()
         self._grads_synced = True
         if self.rt.grad_reduction is not None:
             self.rt.grad_reduction.run()  # misaligned plan: sums per segment, in global order
@@ -469,6 +470,8 @@ class Executor:
             self._reduce_embedding()
         self._tp_sum_began = True
         self._sum_over_tensor_parallel()
+        if self.rt.buddy is not None:
+            self.rt.buddy.send_late()   # the gradients summed again; all messages complete
         if self.rt.emulation:
             self.rt.emulation.reduced()
 

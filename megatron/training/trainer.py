@@ -106,7 +106,8 @@ class Trainer:
         # How this job holds its optimizer state, for every profile it plans or emulates with.
         held = {"optimizer_instances": config.parallel.optimizer_instances
                 if config.parallel.distributed_optimizer else 0,
-                "buddy_copies": elastic.shard_redundancy == "buddy"}
+                "buddy_copies": elastic.shard_redundancy == "buddy",
+                "overlap_grad_reduce": config.parallel.overlap_grad_reduce}
         self.emulation = Emulation(replace(Profile.load(elastic.emulate), **held),
                                    elastic.emulate_dilation, shape,
                                    elastic.emulate_storage_mib_per_s) \

@@ -3,6 +3,7 @@ profiles on disk, and the fit of per-layer costs."""
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -408,21 +409,49 @@ def test_unknown_model_kinds_are_refused(tmp_path, field, value):
         Profile.load(tmp_path / "p.json")
 
 
+def test_with_overlapped_reduction_only_the_last_buckets_buddy_message_waits():
+    """--overlap-grad-reduce cuts a stage's gradients into megatron-core's buckets (40M
+    parameters at data 4); a buddy's message of one bucket crosses the links while the next is
+    reduced, so the reduction waits for one bucket's part of it (here larger than the tied
+    embedding's, which goes last), not the whole shard's."""
+    big = dataclasses.replace(profile(), shape=dataclasses.replace(SHAPE, hidden_size=4096),
+                              optimizer_instances=1, buddy_copies=True)
+    plan = ExecutionPlan.failure_free(8, 1, 2, 8, 1, 8)
+    params = perf_model.stage_params(plan, 0, big.shape)
+    buckets = perf_model.grad_buckets(params, 4, True)
+    assert buckets == math.ceil(params / 40e6) > 1
+    whole = perf_model.buddy_message_ms(big, params, 4)
+    overlapped = dataclasses.replace(big, overlap_grad_reduce=True)
+    assert perf_model.buddy_message_ms(overlapped, params, 4) == pytest.approx(
+        big.p2p_alpha_ms + (whole - big.p2p_alpha_ms) / buckets)
+    # a tied embedding's gradient, summed over the first and last stages after the reduction,
+    # goes after it: as large as the whole shard, it waits whole
+    assert perf_model.buddy_message_ms(overlapped, params, 4, late=params) == \
+        pytest.approx(whole)
+    group = tuple(plan.replicas(0))
+    assert perf_model.ProfileCosts(plan, big).reduce(group) - \
+        perf_model.ProfileCosts(plan, overlapped).reduce(group) == \
+        pytest.approx(whole - perf_model.buddy_message_ms(overlapped, params, 4))
+
+
 @pytest.mark.parametrize("buddy", [False, True], ids=["sharded", "buddy-copies"])
 def test_the_distributed_optimizer_holds_and_steps_a_shard(buddy):
     """Pipeline 2 x data 4 with one instance: each rank holds 1/4 of the moments (8 of its 16
     bytes a parameter) and steps 1/4 of its stage's parameters; a buddy copy holds and steps
-    its owner's quarter too, and waits for the owner's shard gradient. Two instances halve the
-    shard count; a rerouted plan keeps the instances that divide its replica groups."""
+    its owner's quarter too, and the gradient reduction waits for the owner's shard gradient.
+    Two instances halve the shard count; a rerouted plan keeps the instances that divide its
+    replica groups."""
     plan = ExecutionPlan.failure_free(8, 1, 2, 4, 1, 8)
     plain = profile(optimizer_ms_per_mparam=2.0)
     sharded = dataclasses.replace(plain, optimizer_instances=1, buddy_copies=buddy)
     params = perf_model.stage_params(plan, 0, SHAPE)
     step = perf_model.Op(perf_model.OpKind.OPT_STEP)
     opt = perf_model.ProfileCosts(plan, sharded).compute(0, step)
+    assert opt == pytest.approx(2.0 * params / 1e6 / 4 * (2 if buddy else 1))
     message = plain.p2p_alpha_ms + plain.p2p_ms_per_mib * 4 * params / 4 / MIB
-    assert opt == pytest.approx(2.0 * params / 1e6 / 4 * (2 if buddy else 1)
-                                + (message if buddy else 0.0))
+    group = tuple(plan.replicas(0))
+    assert perf_model.ProfileCosts(plan, sharded).reduce(group) == pytest.approx(
+        perf_model.ProfileCosts(plan, plain).reduce(group) + (message if buddy else 0.0))
     mem_plain = predict_plan(plan, plain).memory_bytes[0]
     mem = predict_plan(plan, sharded).memory_bytes[0]
     assert mem_plain - mem == params * 8 * 3 // 4 - (params * 16 // 4 if buddy else 0)

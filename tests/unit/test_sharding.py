@@ -28,13 +28,13 @@ def test_two_instances_hold_each_shard_at_the_same_place_of_both_chunks():
     assert sorted(shard_holders(pp2_dp4(), 1)) == [(r,) for r in range(8)]
 
 
-def test_a_buddy_copy_is_held_by_the_next_rank_of_the_same_chunk():
+def test_a_buddy_copy_is_held_by_the_previous_rank_of_the_same_chunk():
     assert sorted(shard_holders(pp2_dp4(), 1, buddy=True)) == \
-        [(0, 1), (1, 2), (2, 3), (3, 0), (4, 5), (5, 6), (6, 7), (7, 4)]
+        [(0, 3), (1, 0), (2, 1), (3, 2), (4, 7), (5, 4), (6, 5), (7, 6)]
     assert sorted(shard_holders(pp2_dp4(), 2, buddy=True)) == \
         [(0, 2, 1, 3), (1, 3, 0, 2), (4, 6, 5, 7), (5, 7, 4, 6)]
     assert lost_shards(pp2_dp4(), {3}, 1, buddy=True) == []
-    assert lost_shards(pp2_dp4(), {2, 3}, 1, buddy=True) == [(2, 3)]
+    assert lost_shards(pp2_dp4(), {2, 3}, 1, buddy=True) == [(3, 2)]
 
 
 def test_a_shard_is_lost_only_with_every_copy():

@@ -52,10 +52,13 @@ class Policy:
     strategies: tuple[str, ...]
     eager: bool = False                # shadow copies kept all the time (their upkeep paid)
     relaunch: bool = False             # each change of plan relaunches the job
+    # its strategies search layouts by the planner's objective (planner.candidates'
+    # by_objective); a fixed policy takes each strategy's fastest, as a forced strategy does
+    by_objective: bool = False
 
 
 POLICIES = (
-    Policy("auto", "auto (Chameleon)", STRATEGIES),
+    Policy("auto", "auto (Chameleon)", STRATEGIES, by_objective=True),
     Policy("oobleck", "reparallelize only (Oobleck-like)", ("reparallelize",)),
     Policy("recycle", "reroute only (ReCycle-like)", ("reroute",)),
     Policy("bamboo", "takeover + eager state replication (Bamboo-like)", ("takeover",),
@@ -198,7 +201,8 @@ class _Job:
         steady = tuple(s for s in self.policy.strategies if s != "reroute+restart")
         ff = self.setup.plan  # its rank r is GPU r
         moves = []
-        for c in candidates(ff, down, self.profile, situation, steady):
+        for c in candidates(ff, down, self.profile, situation, steady,
+                            by_objective=self.policy.by_objective):
             if c.feasible:
                 used = ff.survivors(down, c.plan.world_size)
                 moves.append((self._move_ms(c.plan, used) + running_ms(
@@ -217,9 +221,12 @@ class _Job:
                 situation: Situation, spares: int = 0) -> tuple[Candidate | None, bool]:
         """The cheapest feasible candidate of `strategies` (`spares` GPUs waiting), else
         restart's; and whether it is the fallback."""
-        best = choose(candidates(plan, lost, self.profile, situation, strategies, spares))
+        objective = self.policy.by_objective
+        best = choose(candidates(plan, lost, self.profile, situation, strategies, spares,
+                                 objective))
         if best is None and "restart" not in strategies:
-            best = choose(candidates(plan, lost, self.profile, situation, ("restart",)))
+            best = choose(candidates(plan, lost, self.profile, situation, ("restart",),
+                                     by_objective=objective))
             return best, best is not None
         return best, False
 

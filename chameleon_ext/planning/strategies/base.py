@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.plan.sharding import instances_for, lost_shards, replica_groups
@@ -24,15 +24,36 @@ from chameleon_ext.planning.strategies.redundancy import shadow_pairs
 
 
 @dataclass(frozen=True)
+class Objective:
+    """Under auto, what a strategy that searches layouts (reparallelize, restart) minimises
+    among them: `cost(plan, iteration_ms)`, the planner's charge for running the plan over the
+    window (planner.running_ms: N iterations, and the expected cost of the next failure, a
+    restart's where a group's loss leaves a layer no other group holds). The fastest layout is
+    often a single pipeline, which every next loss forces to restart, where a slightly slower
+    replicated one absorbs it in place. The cost is at least `iterations` (N) x the iteration
+    time, so a search in the order of a lower bound on that time can stop early."""
+
+    iterations: float
+    cost: Callable[[ExecutionPlan, float], float]
+
+
+@dataclass(frozen=True)
 class Context:
     """`profile`: calibrated for the plan as it runs (at its tensor-parallel degree; its slow
     ranks are the plan's), or None before any calibration; `eager`: stages hold eager
     redundancy's shadow copies; `spares`: the ranks out of the plan that wait to take a place
-    (strategies.substitute)."""
+    (strategies.substitute); `objective`: what a search over layouts minimises (None: the
+    iteration time, the fastest layout, as a forced strategy takes it)."""
 
     profile: Profile | None = None
     eager: bool = False
     spares: int = 0
+    objective: Objective | None = None
+
+    def score(self, plan: ExecutionPlan, iteration_ms: float) -> float:
+        """What a search over layouts minimises for `plan` predicted at `iteration_ms`."""
+        return iteration_ms if self.objective is None else \
+            self.objective.cost(plan, iteration_ms)
 
     def after(self, plan: ExecutionPlan, lost: set[int]) -> Profile | None:
         """The profile for a plan over the survivors (slow ranks renumbered as they are)."""

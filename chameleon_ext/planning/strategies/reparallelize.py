@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from typing import Callable, Sequence
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
@@ -192,7 +193,8 @@ class Reparallelize:
     homogeneous plans over subsets of the survivors (restart's search, the state carried over
     instead of loaded): Oobleck instantiates pipeline templates on any subset and leaves the
     other GPUs idle, so a re-parallelization is never predicted slower than the restart
-    re-plan. Without a profile, the first mix with the layers as the cost, split evenly."""
+    re-plan. With the context's objective, the plan of those it rates cheapest. Without a
+    profile, the first mix with the layers as the cost, split evenly."""
 
     name, restarts = "reparallelize", False
 
@@ -211,20 +213,21 @@ class Reparallelize:
             return table[depth - 1]
 
         after = ctx.after(plan, lost)
-        best = None
+        best, least = None, math.inf
         groups = len(plan.surviving_groups(lost))
         for mix in ranked_mixes(plan, groups, cost, balance)[:PREDICTED_MIXES]:
             new = reparallelize(plan, lost, cost, balance, mix)
             if new is None:
                 continue
             pred = predict_plan(new, after)
-            if best is None or pred.iteration_ms < best.prediction.iteration_ms:
-                best = Proposal(new, pred)
-        subset = replanned(plan, lost, after)
+            score = ctx.score(new, pred.iteration_ms)
+            if score < least:
+                best, least = Proposal(new, pred), score
+        subset = replanned(plan, lost, after, ctx.objective)
         # The survivors it leaves idle go with their state: the ones it uses must hold it all.
         if subset is not None and ctx.keeps_state(
                 plan, set(plan.ranks) - set(plan.survivors(lost, subset[0].world_size))) and \
-                (best is None or subset[1].iteration_ms < best.prediction.iteration_ms):
+                ctx.score(subset[0], subset[1].iteration_ms) < least:
             best = Proposal(*subset)
         return best
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, PlanError, Stage
 from chameleon_ext.planning.perf_model import (MIB, Prediction, Profile, allreduce_ms, predict_plan,
                                       stage_param_count)
-from chameleon_ext.planning.strategies.base import (Context, Proposal, balanced_layers_by_depth,
-                                          with_layers)
+from chameleon_ext.planning.strategies.base import (Context, Objective, Proposal,
+                                                    balanced_layers_by_depth, with_layers)
 
 
 def restart_plan(plan: ExecutionPlan, lost: set[int] | list[int]) -> ExecutionPlan | None:
@@ -67,13 +67,14 @@ def homogeneous(plan: ExecutionPlan, depth: int, dp: int,
     return new
 
 
-def replanned(plan: ExecutionPlan, lost: set[int],
-              profile: Profile) -> tuple[ExecutionPlan, Prediction] | None:
+def replanned(plan: ExecutionPlan, lost: set[int], profile: Profile,
+              objective: Objective | None = None) -> tuple[ExecutionPlan, Prediction] | None:
     """The fastest predicted homogeneous plan over at most plan.survivors(lost) (whole
     tensor-parallel groups, homogeneous) that fits in memory, and its prediction: every
     pipeline depth and data-parallel width that divides the micro-batches, each with its layers
     balanced (base.balanced_layers); ties go to restart_plan's order (more ranks, then the
-    depth closest to the old one). None when not even one pipeline fits."""
+    depth closest to the old one). With an `objective`, the one it rates cheapest instead of
+    the fastest. None when not even one pipeline fits."""
     tp, old_depth, mbs = plan.tensor_parallel, len(plan.pipelines[0].stages), \
         plan.num_micro_batches
     profile = profile.at_tensor_parallel(tp)
@@ -94,14 +95,17 @@ def replanned(plan: ExecutionPlan, lost: set[int],
                                 depth, dp, sizes))
     best: tuple[float, tuple, ExecutionPlan, Prediction] | None = None
     for bound, depth, dp, sizes in sorted(layouts, key=lambda x: x[0]):
+        floor = bound if objective is None else objective.iterations * bound
         # the slack keeps a layout whose bound rounds above an equal prediction (a tie)
-        if best is not None and bound > best[0] * (1 + 1e-9):
+        if best is not None and floor > best[0] * (1 + 1e-9):
             break
         new = with_layers(homogeneous(plan, depth, dp, lost), sizes)
         pred = predict_plan(new, profile)
         if device and pred.peak_memory_bytes > device:
             continue
-        key = (pred.iteration_ms, (-depth * dp, abs(depth - old_depth), -depth))
+        score = pred.iteration_ms if objective is None else \
+            objective.cost(new, pred.iteration_ms)
+        key = (score, (-depth * dp, abs(depth - old_depth), -depth))
         if best is None or key < best[:2]:
             best = (*key, new, pred)
     return (best[2], best[3]) if best else None
@@ -139,8 +143,9 @@ def _iteration_bound(profile: Profile, sizes: list[int], dp: int, m: int, tp: in
 
 
 class Restart:
-    """With a profile, the fastest predicted homogeneous plan over the survivors (replan);
-    without one, the one that uses the most of them (restart_plan)."""
+    """With a profile, the fastest predicted homogeneous plan over the survivors (replan; with
+    the context's objective, the one it rates cheapest); without one, the one that uses the
+    most of them (restart_plan)."""
 
     name, restarts = "restart", True
 
@@ -148,7 +153,7 @@ class Restart:
         if ctx.profile is None:
             new = restart_plan(plan, lost)
             return None if new is None else Proposal(new)
-        found = replanned(plan, lost, ctx.after(plan, lost))
+        found = replanned(plan, lost, ctx.after(plan, lost), ctx.objective)
         return None if found is None else Proposal(*found)
 
     def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
