@@ -40,7 +40,17 @@ with H = min(R, D):
     p = exp(-lambda R) if R < D else 0                           the repair comes first
     q = 1 - exp(-lambda H)                                       the next failure comes first
 
-and every candidate c, doing the same N iterations, costs
+The exponential law is an assumption about the failures' timing. Where the job has a record of
+its own losses (`Situation.failure_record`: of the k losses whose outcome is known, the h whose
+next loss came before their repair), q is that record's, the law's q counting as one loss
+beside them, q' = (h + q) / (k + 1), when the repair comes before the end; the window is then
+H where the repair comes first and the law's mean time to a failure before H where the failure
+does, W = (1 - q') H + q' (W - H exp(-lambda H)) / q, and p = 1 - q'. Failures at fixed
+intervals at least R apart never come before a repair (q' goes to 0), where the law says
+1 - exp(-lambda R): a choice that pays for robustness against the next loss (below) pays for
+nothing there.
+
+Every candidate c, doing the same N iterations, costs
 
     total(c) = transition(c) + N x iteration(c) + p x back(c) + q x next(c)
 
@@ -108,6 +118,9 @@ class Situation:
     # the lost slot is back this long after the failure (math.inf: not within the job); None:
     # unknown, and the horizon-only rule decides (module docstring)
     repair_hours: float | None = None
+    # the job's losses so far: (those whose next loss came before their repair, those whose
+    # outcome is known); (0, 0): no record, the exponential law's chance alone
+    failure_record: tuple[int, int] = (0, 0)
 
 
 class _Scheduled:
@@ -211,8 +224,14 @@ def window(situation: Situation, pace_ms: float) -> Window:
     until = min(repair, end)
     rate = 1 / (situation.mtbf_hours * 3.6e6) if situation.mtbf_hours else 0.0
     expected = -math.expm1(-rate * until) / rate if rate else until
-    return Window(expected / pace_ms, math.exp(-rate * repair) if repair < end else 0.0,
-                  -math.expm1(-rate * until))
+    first = -math.expm1(-rate * until)
+    hits, known = situation.failure_record
+    if repair >= end or first <= 0 or not known:
+        return Window(expected / pace_ms, math.exp(-rate * repair) if repair < end else 0.0,
+                      first)
+    seen = (hits + first) / (known + 1)
+    before = (expected - until * (1 - first)) / first  # the law's mean time to a failure < H
+    return Window(((1 - seen) * until + seen * before) / pace_ms, 1 - seen, seen)
 
 
 def cycle_total(c: Candidate, win: Window) -> float:

@@ -78,6 +78,29 @@ def test_the_window_is_the_expected_time_to_the_repair_or_the_next_failure():
     assert (never.iterations, never.repair_first, never.failure_first) == (10 ** 6, 0.0, 0.0)
 
 
+
+def test_a_record_of_losses_never_outrun_by_the_next_one_shrinks_the_failure_first_chance():
+    """Losses at fixed hourly intervals, each back after 1 h: none came before its repair,
+    where the exponential law says 1 - exp(-1) of them should. The law's chance counts as one
+    loss beside the record; the window keeps the law's mean time to a failure within it."""
+    pace = 1000.0
+    s = Situation(iteration=10, checkpoint_iteration=0, remaining_iterations=10 ** 6,
+                  mtbf_hours=1.0, failure_free_ms=pace, repair_hours=1.0)
+    law = window(s, pace)
+    assert window(dataclasses.replace(s, failure_record=(0, 0)), pace) == law
+    never = window(dataclasses.replace(s, failure_record=(0, 4)), pace)
+    assert never.failure_first == pytest.approx(law.failure_first / 5)
+    assert never.repair_first == pytest.approx(1 - never.failure_first)
+    before = (law.iterations - 3600 * math.exp(-1.0)) / law.failure_first
+    assert never.iterations == pytest.approx(
+        (1 - never.failure_first) * 3600 + never.failure_first * before)
+    assert law.iterations < never.iterations < 3600
+    always = window(dataclasses.replace(s, failure_record=(4, 4)), pace)
+    assert always.failure_first > law.failure_first and always.iterations < law.iterations
+    # the end of training first: the record (of losses before their repair) does not apply
+    end = dataclasses.replace(s, remaining_iterations=600)
+    assert window(dataclasses.replace(end, failure_record=(0, 4)), pace) == window(end, pace)
+
 def test_each_candidate_costs_its_transition_window_move_back_and_next_failure():
     s = Situation(iteration=100, checkpoint_iteration=50, remaining_iterations=100_000,
                   mtbf_hours=6.0, failure_free_ms=1000.0, repair_hours=0.5)

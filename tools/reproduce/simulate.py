@@ -11,7 +11,10 @@ one from that moment; the work lost stays lost (it is progress to make again, no
 a later event could cut short).
 
 - A failure of a GPU the plan uses: the planner ranks the policy's strategies on the current
-  plan (planner.candidates) and takes the cheapest; where none of them has a feasible plan, or
+  plan (planner.candidates; under auto each searching strategy's layout is the one the
+  objective rates cheapest, the fixed policies' their fastest) and takes the cheapest, told the
+  trace's losses so far as the job can record them (which of them the next loss came before
+  their repair: planner.Situation.failure_record); where none of them has a feasible plan, or
   no survivor holds some layer any more, the job falls back to restart, as the real job does; where not even that fits, it stalls until
   GPUs come back. With tensor parallelism the failed GPU's whole group leaves the plan (its
   healthy GPUs idle until a rejoin re-plans). A failure of a GPU the plan leaves idle changes
@@ -30,6 +33,7 @@ a later event could cut short).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -123,6 +127,7 @@ class _Job:
         self.iteration_ms = self.ff_ms
         self.t = self.resume = 0.0
         self.switch: tuple[float, Switch] | None = None
+        self.failed_at: list[float] = []   # every loss so far, ms
         self.out = Outcome(policy.name, trace.name, trace.span_h, 0.0)
 
     # ---- time ---------------------------------------------------------------------------------
@@ -153,11 +158,22 @@ class _Job:
                          self.save_every, remaining_iterations=max(1, int(left)),
                          mtbf_hours=self.trace.mtbf_h, failure_free_ms=ms,
                          save_interval=self.save_every, eager_redundancy=self.policy.eager,
-                         repair_hours=self.trace.repair_h)
+                         repair_hours=self.trace.repair_h, failure_record=self.failure_record())
+
+    def failure_record(self) -> tuple[int, int]:
+        """As the job can keep it: of the losses so far whose outcome is known (the next loss
+        came, or the repair time passed), those whose next loss came before their repair."""
+        repair = self.trace.repair_h * 3.6e6
+        hits = known = 0
+        for at, after in zip(self.failed_at, [*self.failed_at[1:], math.inf]):
+            hits += after < at + repair
+            known += after < at + repair or at + repair <= self.t
+        return hits, known
 
     # ---- events -------------------------------------------------------------------------------
     def fail(self, gpu: int) -> None:
         self.up.discard(gpu)
+        self.failed_at.append(self.t)
         if self.plan is None or gpu not in self.gpus:
             return
         lost = {self.gpus.index(gpu)}
