@@ -24,7 +24,8 @@ Phases (``_`` may stand for ``-``):
   an evaluation), shutdown (after the last iteration, before the final save and reports);
 - inside a reconfiguration (iteration: the interrupted one): recovery (after the survivors
   agreed, before the new world is built), rebuild (while the new world's groups are created),
-  transfer (while the state moves to the new plan's ranks).
+  transfer (while the state moves to the new plan's ranks), copies (as the new world sets its
+  buddy copies up, --chameleon-shard-redundancy buddy).
 
 ``rank`` is the rank the worker started with (generation 0).
 Several specs are separated by ``;`` (``parse_injects``). Example:
@@ -44,7 +45,7 @@ from typing import Callable
 from dataclasses import dataclass
 
 PHASES = ("forward", "backward", "grad-reduce", "optimizer", "commit", "between-iterations",
-          "checkpoint", "eval", "shutdown", "recovery", "rebuild", "transfer")
+          "checkpoint", "eval", "shutdown", "recovery", "rebuild", "transfer", "copies")
 KINDS = ("kill", "exit", "hang", "slow")
 DEFAULT_PHASE = "between-iterations"
 INJECT_ENV = "CHAMELEON_INJECT"

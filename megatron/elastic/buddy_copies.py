@@ -17,9 +17,10 @@ computation rather than by copying state after each step:
   them).
 
 A copy changes only at a committed step, as its holder's own state does: it is current whenever
-its holder is. It is set up at the first iteration of each runtime, after any restore or load:
-the owner sends its slices (ranges, param groups, moments) and the buddy takes the values from
-its own whole parameters, which are current then. At a recovery the copies join the holder's
+its holder is. It is set up as each world is entered (the trainer's _hold_copies: inside the
+reconfiguration's attempt, so a world that commits holds every copy), after any restore or
+load: the owner sends its slices (ranges, param groups, moments) and the buddy takes the values
+from its own whole parameters, which are current then. At a recovery the copies join the holder's
 carried state as pieces, from which the lost rank's shard is put together.
 """
 

@@ -743,9 +743,6 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
     ("--num-virtual-stages-per-pipeline-rank",
      lambda a: a.num_virtual_stages_per_pipeline_rank is not None,
      "interleaved pipelines are not supported yet"),
-    ("--overlap-param-gather", lambda a: a.overlap_param_gather and a.chameleon,
-     "not with --chameleon yet: its all-gathers run in the forwards' hooks, which a recovery "
-     "does not drain"),
     ("--use-distributed-optimizer",
      lambda a: a.use_distributed_optimizer and a.chameleon_redundancy == "eager",
      "not with --chameleon-redundancy eager yet: its shadow copies hold whole optimizer state"),

@@ -239,6 +239,10 @@ class Trainer:
             _set_random_seeds(training.seed, plan.position(self.rank).tp_rank)
             if config.checkpoint.load:
                 self._load_initial()
+            try:
+                self._hold_copies(self.built)
+            except RuntimeError as e:
+                raise JobError(f"a rank was lost while the job started: {e}") from None
 
     def _step_hooks(self) -> StepHooks:
         """The manager's calls in a step, and a slowed rank's stretching of its ops."""
@@ -652,9 +656,20 @@ class Trainer:
                 applied = agreed if agreed is not None else self.iteration
                 consumed = self.consumed if carried is not None else decision.consumed_samples
             moved = _world_sum(built.received_bytes)   # the new world's first collective
+            self._hold_copies(built)
             self.built, self.consumed = built, consumed
             return Entered(applied, moved)
         return enter
+
+    def _hold_copies(self, built) -> None:
+        """Buddy copies set up as a world is entered (collective over each replica group),
+        while the whole parameters are current (initial, loaded or restored): a world that a
+        transition commits always holds them, and a loss during their setup fails the attempt,
+        which the transaction retries from the state carried in (the old world's copies
+        included)."""
+        if built.runtime.buddy is not None:
+            self.injector.maybe_fire(self.iteration + 1, "copies")
+            built.runtime.buddy.setup(built.runtime)
 
     def _build(self, plan: ExecutionPlan, rank: int, carried=None, on_transfer=None):
         built = runtime.build(plan, rank, self.spec, carried, on_transfer)

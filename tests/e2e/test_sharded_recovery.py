@@ -29,37 +29,47 @@ def reference(small_data, tmp_path_factory) -> list[float]:
     return reference_run(1, common(small_data), tmp_path_factory.mktemp("ref"), ITERS).losses()
 
 
-# (pipeline depth, instances, strategy, phase of the kill): rank 3 is a replica of the last
-# stage in each layout. Between iterations the survivors' whole parameters are a step behind
-# (the stepped shards are gathered at the next iteration's start): only the slices count.
-# In the commit the lost rank voted and died: the others apply the step, its shard's included
-# (its buddy steps the copy). With pipeline 2 the buddy case reduces gradients in buckets
-# (--overlap-grad-reduce: the tied embedding's its own), each bucket's messages to the buddies
-# sent once it is reduced, the embedding's after its sum over the two stages.
-CASES = [(1, 2, "none", "reroute", "backward"),
-         (1, 2, "none", "reparallelize", "between-iterations"),
-         (2, 2, "none", "takeover", "backward"), (1, 1, "buddy", "auto", "commit"),
-         (2, 1, "buddy", "takeover", "backward"),
-         (1, 1, "buddy", "reparallelize", "between-iterations"),
-         (1, 1, "none", "auto", "backward")]
+# (pipeline depth, instances, strategy, phase of the kill, the rank killed): rank 3 is a
+# replica of the last stage in each layout. Between iterations the survivors' whole parameters
+# are a step behind (the stepped shards are gathered at the next iteration's start): only the
+# slices count. In the commit the lost rank voted and died: the others apply the step, its
+# shard's included (its buddy steps the copy). With pipeline 2 the buddy case overlaps both
+# collectives: its gradients are reduced in buckets (--overlap-grad-reduce: the tied
+# embedding's its own), each bucket's messages to the buddies sent once it is reduced, the
+# embedding's after its sum over the two stages; and the stepped shards are gathered in the
+# first forward's hooks (--overlap-param-gather). There rank 1 (stage 0) dies before its
+# forward: rank 3, the next stage of its pipeline, never gets an input, and takes part in its
+# replica's gathers from the drain rather than leave rank 2 waiting in a hook until the
+# communication timeout (5 s; the recovery takes a fraction of a second).
+CASES = [(1, 2, "none", "reroute", "backward", 3),
+         (1, 2, "none", "reparallelize", "between-iterations", 3),
+         (2, 2, "none", "takeover", "backward", 3), (1, 1, "buddy", "auto", "commit", 3),
+         (2, 1, "buddy", "takeover", "forward", 1),
+         (1, 1, "buddy", "reparallelize", "between-iterations", 3),
+         (1, 1, "none", "auto", "backward", 3)]
+COMM_TIMEOUT_MS = 5000.0    # --chameleon-comm-timeout's default
 
 
-@pytest.mark.parametrize("pp,instances,buddy,strategy,phase", CASES,
-                         ids=[f"pp{pp}-{i}-instance(s)-{b}-{s}-{ph}" for pp, i, b, s, ph in CASES])
+@pytest.mark.parametrize("pp,instances,buddy,strategy,phase,victim", CASES,
+                         ids=[f"pp{pp}-{i}-instance(s)-{b}-{s}-{ph}"
+                              for pp, i, b, s, ph, _ in CASES])
 def test_a_lost_shard_comes_from_its_other_copy_or_the_checkpoint(
-        reference, small_data, tmp_path, pp, instances, buddy, strategy, phase):
+        reference, small_data, tmp_path, pp, instances, buddy, strategy, phase, victim):
+    overlapped = pp == 2 and buddy == "buddy"
     run = run_chameleon(4, common(small_data) + [
         "--pipeline-model-parallel-size", str(pp), "--use-distributed-optimizer",
         "--num-distributed-optimizer-instances", str(instances),
         "--chameleon-shard-redundancy", buddy,
         "--chameleon", "--chameleon-strategy", strategy, "--save", str(tmp_path / "ckpt"),
-        "--save-interval", "3", "--chameleon-inject", f"kill:rank=3,iter=5,phase={phase}"]
-        + ["--overlap-grad-reduce"] * (pp == 2 and buddy == "buddy"), tmp_path)
+        "--save-interval", "3", "--chameleon-inject", f"kill:rank={victim},iter=5,phase={phase}"]
+        + ["--overlap-grad-reduce", "--overlap-param-gather"] * overlapped, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     events = run.metrics
     assert_close(last_losses(events), reference)
     rec = [e for e in events if e["event"] == "recovery"]
     assert len(rec) == 1
+    if overlapped:
+        assert rec[0]["reconfigure_ms"] < COMM_TIMEOUT_MS
     if instances > 1 or buddy == "buddy":
         assert rec[0]["strategy"] == strategy or strategy == "auto"
         assert rec[0]["why"] is None
@@ -73,20 +83,21 @@ def test_a_lost_shard_comes_from_its_other_copy_or_the_checkpoint(
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_kill_from_outside_at_a_random_instant_with_overlapped_reduction(
+def test_a_kill_from_outside_at_a_random_instant_with_overlapped_reduction_and_gather(
         reference, small_data, tmp_path, seed):
     """tools/inject_failure.py SIGKILLs a random rank of data 4 (the distributed optimizer in
-    2 instances, --overlap-grad-reduce) a random delay after it works past a random iteration,
-    under auto: wherever the kill lands (a bucket's reduce-scatter dispatched from a backward
-    hook, the gather of the stepped shards, a save), the job ends with the failure-free
-    losses."""
+    2 instances, --overlap-grad-reduce, --overlap-param-gather) a random delay after it works
+    past a random iteration, under auto: wherever the kill lands (a bucket's reduce-scatter
+    dispatched from a backward hook, the gather of the stepped shards from a forward hook, a
+    save), the job ends with the failure-free losses."""
     rng = random.Random(seed)
     rank, after, delay_ms = rng.randrange(4), rng.randint(2, ITERS - 3), rng.randint(0, 300)
     port = free_port()
     kill = LateKill(port, rank, after, delay_ms).start()
     run = run_chameleon(4, common(small_data) + [
         "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
-        "--overlap-grad-reduce", "--chameleon", "--save", str(tmp_path / "ckpt"), "--save-interval", "3"], tmp_path,
+        "--overlap-grad-reduce", "--overlap-param-gather", "--chameleon", "--save",
+        str(tmp_path / "ckpt"), "--save-interval", "3"], tmp_path,
         launcher_args=["--master-port", str(port)])
     kill.join()
     assert kill.returncode == 0, kill.stderr
@@ -95,4 +106,23 @@ def test_a_kill_from_outside_at_a_random_instant_with_overlapped_reduction(
     fail = [e["ranks"] for e in run.metrics if e["event"] == "failure"]
     assert fail == [[rank]] or (not fail and kill.signalled_at >= max(
         e["time"] for e in run.metrics)), (rank, after, delay_ms, fail)
+    assert [e["identical"] for e in run.metrics if e["event"] == "replicas"] == [True]
+
+
+def test_a_loss_while_the_new_world_sets_its_buddy_copies_up(reference, small_data, tmp_path):
+    """Data 4 with buddy copies loses rank 3 in a backward; while the survivors' new world
+    sets its copies up, rank 1 dies too. That attempt is abandoned, and the next one starts
+    from the state carried in, the old world's copies included (rank 3's shard on rank 2, rank
+    1's on rank 0), so the job goes on without both, with no shard lost."""
+    run = run_chameleon(4, common(small_data) + [
+        "--use-distributed-optimizer", "--chameleon-shard-redundancy", "buddy", "--chameleon",
+        "--chameleon-strategy", "reroute",
+        "--chameleon-inject", "kill:rank=3,iter=5,phase=backward",
+        "--chameleon-inject", "kill:rank=1,iter=5,phase=copies"], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_close(last_losses(run.metrics), reference)
+    fail = next(e for e in run.metrics if e["event"] == "failure")
+    rec = next(e for e in run.metrics if e["event"] == "recovery")
+    assert sorted(fail["ranks"]) == [1, 3] and rec["attempts"] >= 2
+    assert rec["strategy"] == "reroute" and rec["why"] is None
     assert [e["identical"] for e in run.metrics if e["event"] == "replicas"] == [True]

@@ -108,9 +108,6 @@ def test_data_checkpoint_and_logging_flags():
     (["--expert-model-parallel-size", "2", "--num-experts", "4"],
      "--expert-model-parallel-size: expert parallelism"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "interleaved pipelines"),
-    (["--use-distributed-optimizer", "--overlap-param-gather", "--chameleon"],
-     "--overlap-param-gather: not with --chameleon yet: its all-gathers run in the forwards' "
-     "hooks"),
     (["--use-distributed-optimizer", "--chameleon", "--chameleon-redundancy", "eager"],
      "--use-distributed-optimizer: not with --chameleon-redundancy eager yet"),
     (["--chameleon-shard-redundancy", "buddy", "--chameleon"],
