@@ -1,8 +1,8 @@
 """Megatron-LM's model flags keep the layout out of the numbers: a Llama-style model (SwiGLU,
 grouped-query attention, RMSNorm, RoPE, QK layernorm, untied output, no biases; documents masked
 from each other) on TP 2 x PP 2 with sequence parallelism, a mixture of experts on TP 2 x PP 2
-(which needs sequence parallelism; its load-balancing loss scaled like the main loss), activation
-recompute, and a batch-size ramp (4, 8, then 12 samples
+(which needs sequence parallelism; its per-sequence load-balancing loss scaled like the main
+loss; with full recompute), activation recompute, and a batch-size ramp (4, 8, then 12 samples
 per iteration) give one process's losses (1e-5)."""
 
 import pytest
@@ -18,7 +18,7 @@ LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
 RAMP = ["--train-samples", "60", "--rampup-batch-size", "4", "4", "16", "--global-batch-size",
         "12", "--lr-warmup-samples", "8"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
-       "--disable-bias-linear"]
+       "--moe-router-load-balancing-type", "seq_aux_loss", "--disable-bias-linear"]
 
 
 def common(data: str, *model: str) -> list[str]:
@@ -45,11 +45,14 @@ def singles(small_data, tmp_path_factory):
     ("llama", LLAMA + ["--recompute-activations"], 4, [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--sequence-parallel"]),
-    ("moe", MOE, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                     "--sequence-parallel"]),
+    ("moe", MOE + ["--recompute-granularity", "full", "--recompute-method", "block",
+                   "--recompute-num-layers", "1"], 4, [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--sequence-parallel"]),
     ("ramp", RAMP + ["--recompute-granularity", "full", "--recompute-method", "uniform",
                      "--recompute-num-layers", "1"], 4, ["--pipeline-model-parallel-size", "2"]),
-], ids=["llama-selective-recompute-tp2xpp2-sp", "moe-tp2xpp2-sp", "ramp-full-recompute-pp2xdp2"])
+], ids=["llama-selective-recompute-tp2xpp2-sp", "moe-seq-aux-loss-full-recompute-tp2xpp2-sp",
+        "ramp-full-recompute-pp2xdp2"])
 def test_model_flags_match_one_process(singles, small_data, tmp_path, name, model, world,
                                        layout):
     run = run_job(world, common(small_data, *model) + layout, tmp_path)
