@@ -123,6 +123,18 @@ class Situation:
     failure_record: tuple[int, int] = (0, 0)
 
 
+def failure_record(failed_at: list[float], repair: float, now: float) -> tuple[int, int]:
+    """Situation.failure_record from the times of the losses so far (`failed_at`, in order),
+    the repair time and the time now, in one unit: of the losses whose outcome is known (the
+    next loss came, or the repair time passed), those whose next loss came before their
+    repair."""
+    hits = known = 0
+    for at, after in zip(failed_at, [*failed_at[1:], math.inf]):
+        hits += after < at + repair
+        known += after < at + repair or at + repair <= now
+    return hits, known
+
+
 class _Scheduled:
     """`schedule`: the one the executor would run for `self.plan`, built on first use (the
     predictions do not need it whole, and at 16k ranks it takes seconds)."""

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from chameleon_ext.planning.perf_model import ModelShape, Profile, ProfileError
+from chameleon_ext.planning import planner
 from chameleon_ext.planning.planner import Situation
 from megatron.training import checkpointing
 from megatron.training.config import CheckpointConfig, ModelConfig
@@ -69,6 +70,7 @@ class JobClock:
     repair_minutes: float | None = None
     started: float = field(default_factory=time.monotonic)
     failures: int = 0
+    failed_at: list[float] = field(default_factory=list)   # monotonic seconds of each loss
     iteration_ms: list[float] = field(default_factory=list)
     repairs_s: list[float] = field(default_factory=list)   # failure -> rejoin, measured
 
@@ -84,6 +86,7 @@ class JobClock:
     def situation(self, iteration: int) -> Situation:
         """At a failure during `iteration` (counted as one more failure of this job)."""
         self.failures += 1
+        self.failed_at.append(time.monotonic())
         return self.outlook(iteration)
 
     def outlook(self, iteration: int) -> Situation:
@@ -103,7 +106,14 @@ class JobClock:
                          save_interval=(self.checkpoint.save_interval or 0)
                          if self.checkpoint.save else 0,
                          eager_redundancy=self.eager_redundancy,
-                         repair_hours=self.repair_hours())
+                         repair_hours=self.repair_hours(), failure_record=self.failure_record())
+
+    def failure_record(self) -> tuple[int, int]:
+        """planner.Situation.failure_record of this job's losses (none without a repair time)."""
+        repair = self.repair_hours()
+        if repair is None:
+            return 0, 0
+        return planner.failure_record(self.failed_at, repair * 3600.0, time.monotonic())
 
 
 @dataclass

@@ -320,3 +320,25 @@ def test_chameleon_plan_rejects_a_bad_repair_time_in_one_line(capsys, value, say
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--repair-minutes" in err and says in err
+
+
+
+def test_the_job_keeps_the_record_of_its_own_losses(monkeypatch):
+    """The job's clock records each loss's time. With a one-hour repair, at the third loss: the
+    first was followed half an hour later by the second (the next loss came first), the
+    second's hour passed with no loss (known, repaired first), the third's outcome is not known
+    yet. With no repair time there is no record."""
+    from megatron.training import planning
+    from megatron.training.config import CheckpointConfig
+    now = [10_000.0]
+    monkeypatch.setattr(planning.time, "monotonic", lambda: now[0])
+    clock = planning.JobClock(CheckpointConfig(), 100, None, False, 60.0)
+    records = []
+    for at in (0.0, 1800.0, 9000.0):
+        now[0] = 10_000.0 + at
+        records.append(clock.situation(1).failure_record)
+    assert records == [(0, 0), (1, 1), (1, 2)]
+    now[0] += 3600.0
+    assert clock.failure_record() == (1, 3)
+    assert planning.JobClock(CheckpointConfig(), 100, None, False).situation(1).failure_record \
+        == (0, 0)

@@ -33,7 +33,6 @@ a later event could cut short).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -41,8 +40,8 @@ from typing import Callable
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.planning.perf_model import MIB, Profile, stage_params, switch_ms
 from chameleon_ext.planning.planner import (STRATEGIES, Candidate, Situation, Switch, candidates,
-                                            choose, moved_state_bytes, rejoin_window,
-                                            running_ms)
+                                            choose, failure_record, moved_state_bytes,
+                                            rejoin_window, running_ms)
 from chameleon_ext.planning.strategies.base import state_survives
 from chameleon_ext.planning.strategies.redundancy import eager_cost
 from tools.reproduce.cluster import Setup
@@ -161,14 +160,8 @@ class _Job:
                          repair_hours=self.trace.repair_h, failure_record=self.failure_record())
 
     def failure_record(self) -> tuple[int, int]:
-        """As the job can keep it: of the losses so far whose outcome is known (the next loss
-        came, or the repair time passed), those whose next loss came before their repair."""
-        repair = self.trace.repair_h * 3.6e6
-        hits = known = 0
-        for at, after in zip(self.failed_at, [*self.failed_at[1:], math.inf]):
-            hits += after < at + repair
-            known += after < at + repair or at + repair <= self.t
-        return hits, known
+        """As the job keeps it (planning.JobClock): the trace's losses so far."""
+        return failure_record(self.failed_at, self.trace.repair_h * 3.6e6, self.t)
 
     # ---- events -------------------------------------------------------------------------------
     def fail(self, gpu: int) -> None:
