@@ -69,10 +69,13 @@ class JobClock:
     # before, the planner's horizon rule)
     repair_minutes: float | None = None
     started: float = field(default_factory=time.monotonic)
-    failures: int = 0
     failed_at: list[float] = field(default_factory=list)   # monotonic seconds of each loss
     iteration_ms: list[float] = field(default_factory=list)
     repairs_s: list[float] = field(default_factory=list)   # failure -> rejoin, measured
+
+    @property
+    def failures(self) -> int:
+        return len(self.failed_at)
 
     def rejoined(self, seconds_since_failure: float) -> None:
         """A lost rank came back `seconds_since_failure` after its failure."""
@@ -85,7 +88,6 @@ class JobClock:
 
     def situation(self, iteration: int) -> Situation:
         """At a failure during `iteration` (counted as one more failure of this job)."""
-        self.failures += 1
         self.failed_at.append(time.monotonic())
         return self.outlook(iteration)
 

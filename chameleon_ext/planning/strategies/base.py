@@ -37,6 +37,12 @@ class Objective:
     cost: Callable[[ExecutionPlan, float], float]
 
 
+def score(objective: Objective | None, plan: ExecutionPlan, iteration_ms: float) -> float:
+    """What a search over layouts minimises for `plan` predicted at `iteration_ms`: the
+    objective's cost, or without one the iteration time (the fastest layout)."""
+    return iteration_ms if objective is None else objective.cost(plan, iteration_ms)
+
+
 @dataclass(frozen=True)
 class Context:
     """`profile`: calibrated for the plan as it runs (at its tensor-parallel degree; its slow
@@ -51,9 +57,7 @@ class Context:
     objective: Objective | None = None
 
     def score(self, plan: ExecutionPlan, iteration_ms: float) -> float:
-        """What a search over layouts minimises for `plan` predicted at `iteration_ms`."""
-        return iteration_ms if self.objective is None else \
-            self.objective.cost(plan, iteration_ms)
+        return score(self.objective, plan, iteration_ms)
 
     def after(self, plan: ExecutionPlan, lost: set[int]) -> Profile | None:
         """The profile for a plan over the survivors (slow ranks renumbered as they are)."""

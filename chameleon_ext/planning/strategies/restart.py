@@ -14,7 +14,8 @@ from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, PlanError
 from chameleon_ext.planning.perf_model import (MIB, Prediction, Profile, allreduce_ms, predict_plan,
                                       stage_param_count)
 from chameleon_ext.planning.strategies.base import (Context, Objective, Proposal,
-                                                    balanced_layers_by_depth, with_layers)
+                                                    balanced_layers_by_depth, score,
+                                                    with_layers)
 
 
 def restart_plan(plan: ExecutionPlan, lost: set[int] | list[int]) -> ExecutionPlan | None:
@@ -103,9 +104,8 @@ def replanned(plan: ExecutionPlan, lost: set[int], profile: Profile,
         pred = predict_plan(new, profile)
         if device and pred.peak_memory_bytes > device:
             continue
-        score = pred.iteration_ms if objective is None else \
-            objective.cost(new, pred.iteration_ms)
-        key = (score, (-depth * dp, abs(depth - old_depth), -depth))
+        key = (score(objective, new, pred.iteration_ms),
+               (-depth * dp, abs(depth - old_depth), -depth))
         if best is None or key < best[:2]:
             best = (*key, new, pred)
     return (best[2], best[3]) if best else None
