@@ -129,15 +129,22 @@ def _run(launcher: list[str], args: list[str], workdir: Path, timeout: float, na
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # Ctrl-C first: both launchers then reap their workers (chameleon-launch starts each
+        # Where each worker is stuck (pretrain's SIGUSR2 handler prints its threads' stacks),
+        # then Ctrl-C: both launchers then reap their workers (chameleon-launch starts each
         # in a session of its own, out of reach of a signal to the launcher's group).
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+        time.sleep(2)    # the dumps reach the launcher's stderr pipe
         proc.send_signal(signal.SIGINT)
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             kill_group(proc.pid)
             out, err = proc.communicate()
-        raise AssertionError(f"{name} did not finish in {timeout} s\n{err[-3000:]}")
+        raise AssertionError(f"{name} did not finish in {timeout} s\n{err[-12000:]}")
     finally:
         kill_group(proc.pid)
     events = [json.loads(line) for line in metrics.read_text().splitlines()] \
@@ -232,6 +239,20 @@ def run_script(args: list[str], *, env: dict | None = None, timeout: float = 120
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *args], cwd=REPO,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (a launcher's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            # the fields after the command's closing parenthesis: state, then the parent's pid
+            if entry.name.isdigit() and \
+                    int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def kill_group(pid: int) -> None:

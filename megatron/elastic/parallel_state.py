@@ -66,6 +66,12 @@ class RankGroups:
     inter_dp: dist.ProcessGroup | None = None
     instance: dist.ProcessGroup | None = None
     instance_id: int = 0
+    # The whole world, for checkpoint saves and loads, whose operations may wait far longer
+    # than a step's (None: they run on the world itself). Made with the plan's groups, inside
+    # the reconfiguration that builds them: a group made at each save would connect to every
+    # rank there, and gloo retries a connection to a rank lost meanwhile until the group's
+    # timeout (measured: survivors held 300 s in a save's group creation, past the agreement).
+    storage: dist.ProcessGroup | None = None
 
 
 @dataclass(frozen=True)
@@ -207,10 +213,12 @@ def bound_operations(group: dist.ProcessGroup, timeout: timedelta) -> None:
 
 
 def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None,
-                 rendezvous: timedelta | None = None, instances: int = 1) -> RankGroups:
+                 rendezvous: timedelta | None = None, instances: int = 1,
+                 storage: timedelta | None = None) -> RankGroups:
     """Create all groups of `plan` (collective over the current world) and return `rank`'s:
     their creation waits at most `rendezvous`, their operations `timeout` (None: torch's
-    default for both); `instances`: of the distributed optimizer."""
+    default for both); `instances`: of the distributed optimizer; `storage`: the bound on the
+    operations of a world group for checkpoints (None: no such group)."""
     # A group's rendezvous waits for every member to create it; on a loaded host one may lag
     # the others by seconds, so the connect never gets less than an operation.
     connect = None if timeout is None else max(timeout, rendezvous or timeout)
@@ -220,6 +228,10 @@ def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = Non
         if timeout is not None and rank in ranks:
             bound_operations(g, timeout)
         groups[ranks] = g
+    store_group = None
+    if storage is not None:
+        store_group = dist.new_group(timeout=rendezvous or storage)
+        bound_operations(store_group, storage)
     mine = _layout(plan, rank, instances)
     embd = mine["embd"]
     misaligned = plan.misaligned_stages() is not None
@@ -240,6 +252,7 @@ def build_groups(plan: ExecutionPlan, rank: int, timeout: timedelta | None = Non
         inter_dp=groups[tuple(mine["inter_dp"])] if "inter_dp" in mine else None,
         instance=groups[tuple(mine.get("instance", mine["mp"]))],
         instance_id=mine["inter_dp"].index(rank) if "inter_dp" in mine else 0,
+        storage=store_group,
     )
 
 
@@ -279,10 +292,12 @@ def install(g: RankGroups) -> None:
 
 
 def initialize(plan: ExecutionPlan, rank: int, timeout: timedelta | None = None,
-               rendezvous: timedelta | None = None, instances: int = 1) -> RankGroups:
+               rendezvous: timedelta | None = None, instances: int = 1,
+               storage: timedelta | None = None) -> RankGroups:
     """The plan's groups, created within `rendezvous`, whose operations wait at most
-    `timeout`; `instances`: of the distributed optimizer."""
-    g = build_groups(plan, rank, timeout, rendezvous, instances)
+    `timeout`; `instances`: of the distributed optimizer; `storage`: of the checkpoints'
+    group."""
+    g = build_groups(plan, rank, timeout, rendezvous, instances, storage)
     install(g)
     return g
 

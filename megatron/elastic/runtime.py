@@ -85,6 +85,7 @@ class RuntimeSpec:
     loss_func: Callable
     timeout: timedelta | None = None   # of the plan's groups' operations (None: torch's default)
     rendezvous: timedelta | None = None  # of their creation (None: torch's default)
+    storage: timedelta | None = None   # of checkpoint saves' and loads' (None: the world's)
     timers: object | None = None
     executor: str = "ir"               # or "megatron-core" (its own pipeline schedule)
     compute_clock: ComputeClock | None = None
@@ -111,7 +112,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     split = any(op.kind is OpKind.BWD_WEIGHT for ops in schedule.ops.values() for op in ops)
     if sharding.distributed_optimizer:
         sharding = replace(sharding, instances=instances_for(plan, sharding.instances))
-    groups = parallel_state.initialize(plan, rank, timeout, spec.rendezvous, sharding.instances)
+    groups = parallel_state.initialize(plan, rank, timeout, spec.rendezvous, sharding.instances,
+                                      spec.storage)
     stage = plan.stage_of(rank)
     pos = plan.position(rank)
     first, last = plan.is_first_stage(rank), plan.is_last_stage(rank)

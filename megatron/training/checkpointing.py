@@ -14,19 +14,17 @@ Atomic: a checkpoint is written to `iter_N.tmp/`, renamed to `iter_N/` once comp
 then named in `latest_checkpointed_iteration.txt` (Megatron's tracker file). A killed save leaves at
 most a `.tmp` directory that loading ignores.
 
-A save or load can take far longer than a training step's collectives may wait, so with a
-timeout it runs on a group of its own over the world, created with that timeout and passed to
-torch.distributed.checkpoint (`process_group=`); the world's groups keep theirs.
+A save or load can take far longer than a training step's collectives may wait, so an elastic
+job runs it on a world group of its own with a longer bound (parallel_state.RankGroups.storage,
+made with the plan's groups), passed to torch.distributed.checkpoint (`process_group=`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -75,24 +73,23 @@ def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool,
 
 
 def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, meta: dict,
-         timeout: float | None = None, written: Callable[[], None] | None = None) -> Path:
-    """Collective. `timeout`: seconds its collectives may wait for the slowest writer (None:
-    the world's own timeout); `written`: called once this rank's part is written, before the
+         group: dist.ProcessGroup | None = None,
+         written: Callable[[], None] | None = None) -> Path:
+    """Collective over `group` (None: the world); `written`: called once this rank's part is written, before the
     checkpoint is named (failure injection)."""
     final = _dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
-    with _group(timeout) as group:
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier(group=group)
-        sharded_state.gather_parameters(rt)
-        dcp.save(_state_dict(rt, tied_embeddings, create_missing=True, saving=True),
-                 checkpoint_id=str(tmp), process_group=group)
-        if written:
-            written()
-        dist.barrier(group=group)
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier(group=group)
+    sharded_state.gather_parameters(rt)
+    dcp.save(_state_dict(rt, tied_embeddings, create_missing=True, saving=True),
+             checkpoint_id=str(tmp), process_group=group)
+    if written:
+        written()
+    dist.barrier(group=group)
     if rank0:
         full_meta = {**meta, "iteration": iteration, "scheduler": rt.scheduler.state_dict()}
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1, sort_keys=True))
@@ -106,22 +103,6 @@ def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, 
     # No barrier after the tracker: a rank lost here cannot undo a checkpoint that is complete
     # and named, and the job's next collective finds the loss anyway.
     return final
-
-
-@contextmanager
-def _group(timeout: float | None) -> Iterator[dist.ProcessGroup | None]:
-    """A group over the world whose creation and operations wait up to `timeout` seconds,
-    destroyed on the way out (a group left referenced keeps its peers blocked until their
-    timeout); None (the world itself) without a timeout. Collective."""
-    if timeout is None:
-        yield None
-        return
-    group = dist.new_group(timeout=timedelta(seconds=timeout))
-    try:
-        yield group
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group(group)
 
 
 def latest_iteration(root: str) -> int | None:
@@ -161,11 +142,11 @@ def model_args(root: str) -> dict | None:
 
 
 def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
-         timeout: float | None = None, optimizer: bool = True,
+         group: dist.ProcessGroup | None = None, optimizer: bool = True,
          scheduler: bool = True) -> dict | None:
     """Load the latest checkpoint under `root` into the runtime (collective); returns its meta,
     or None if there is none. `expect` holds model settings that must match the
-    checkpoint's; `timeout` as for save; without `optimizer` (--no-load-optim, --finetune)
+    checkpoint's; `group` as for save; without `optimizer` (--no-load-optim, --finetune)
     the Adam state stays fresh, without `scheduler` (--finetune) the LR schedule too."""
     found = _latest_meta(root)
     if found is None:
@@ -174,9 +155,8 @@ def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
     for k, v in expect.items():
         if meta.get(k) != v:
             raise CheckpointError(f"checkpoint {d} has {k}={meta.get(k)!r}, this run has {v!r}")
-    with _group(timeout) as group:
-        sd = _state_dict(rt, tied_embeddings, create_missing=True, optimizer=optimizer)
-        dcp.load(sd, checkpoint_id=str(d), process_group=group)
+    sd = _state_dict(rt, tied_embeddings, create_missing=True, optimizer=optimizer)
+    dcp.load(sd, checkpoint_id=str(d), process_group=group)
     if optimizer and sharded_state.is_sharded(rt.optimizer):
         names = {id(p): k for k, p in state_transfer.named_parameters(rt,
                                                                      tied_embeddings).items()}

@@ -181,6 +181,7 @@ class Trainer:
             timeout=timedelta(seconds=elastic.timeouts.comm_s) if elastic.enabled else None,
             rendezvous=(timedelta(seconds=elastic.timeouts.rendezvous_s) if elastic.enabled
                         else None),
+            storage=timedelta(seconds=elastic.timeouts.save_s) if elastic.enabled else None,
             timers=self.timers, executor=elastic.executor, compute_clock=compute_clock,
             # every job reports its memory at its end (with --chameleon beside the estimate)
             eager=elastic.eager, measure_memory=True,
@@ -197,7 +198,6 @@ class Trainer:
                            "tensor_parallel": plan.tensor_parallel,
                            "global_batch_size": config.training.global_batch_size,
                            "seq_length": config.model.seq_length}
-        self.save_timeout_s = elastic.timeouts.save_s if elastic.enabled else None
         self.iteration = 0          # the last iteration whose step this rank applied
         self.consumed = 0           # samples the data loader delivered to committed steps
         self.start = 0
@@ -414,7 +414,7 @@ class Trainer:
                 self._emulated_io(self.built.runtime):
             path = checkpointing.save(
                 root, it, self.built.runtime, tied_embeddings=self.tied,
-                timeout=self.save_timeout_s,
+                group=self.built.groups.storage,
                 meta={**self.model_meta, "consumed_samples": self.consumed,
                       "plan": self.plan.to_dict(),
                       "model_args": self.config.model.shape_args()},
@@ -643,7 +643,7 @@ class Trainer:
         def enter(decision: Decision, rank: int, agreed: int | None) -> Entered:
             if decision.restarts:
                 built = self._build(decision.plan, rank)
-                meta = self._load(built.runtime)
+                meta = self._load(built)
                 applied = meta["iteration"] if meta else 0
                 consumed = meta["consumed_samples"] if meta else 0
             else:
@@ -680,16 +680,16 @@ class Trainer:
                                    built.shadows is not None, built.runtime.memory)
         return built
 
-    def _load(self, rt) -> dict | None:
+    def _load(self, built) -> dict | None:
         """The latest checkpoint of --save (else --load, unless it is --finetune's start) into
-        `rt` (collective)."""
+        `built`'s runtime (collective)."""
         ckpt = self.config.checkpoint
         root = ckpt.save or (None if ckpt.finetune else ckpt.load)
         if not root:
             return None
-        with self._emulated_io(rt):
-            return checkpointing.load(root, rt, tied_embeddings=self.tied,
-                                      expect=self.model_meta, timeout=self.save_timeout_s)
+        with self._emulated_io(built.runtime):
+            return checkpointing.load(root, built.runtime, tied_embeddings=self.tied,
+                                      expect=self.model_meta, group=built.groups.storage)
 
     def _load_initial(self) -> None:
         ckpt = self.config.checkpoint

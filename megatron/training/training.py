@@ -3,8 +3,10 @@ the model's configs, then the Trainer (megatron.training.trainer) runs the job."
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -142,6 +144,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
              argv: list[str] | None = None) -> dict:
     """Train; returns a summary dict (rank 0 also prints it)."""
     silence_known_warnings()
+    # `kill -USR2 <pid>`: a stuck worker prints every thread's Python stack to its stderr and
+    # goes on (the test harness asks each worker of a job that overran its bound).
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     logging.basicConfig(level=logging.INFO if _first_on_node() else logging.WARNING,
                         format="%(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # per-bucket parameter lists
