@@ -47,8 +47,9 @@ class Decision:
     `joined` are the launch ranks an admission admitted. What a member without state (a joiner,
     a spare taking a place) takes from the stayers: `scheduler` and `consumed_samples`, the LR
     schedule's state and the samples count; `pending`, the names of the actions the stayers
-    still run at this iteration boundary (the interrupted one first); `admissions`, the
-    admissions made so far."""
+    still run at this iteration boundary (the interrupted one first) and whether they are
+    the job's final ones (`finishing`): after a failure, the least advanced stayer's, which
+    every stayer resumes from too; `admissions`, the admissions made so far."""
 
     strategy: str
     plan: ExecutionPlan
@@ -63,6 +64,7 @@ class Decision:
     pending: list[str] = field(default_factory=list)
     admissions: int = 0
     why: str | None = None      # why a restart was the only choice (the state is gone)
+    finishing: bool = False
 
     @property
     def restarts(self) -> bool:
@@ -76,7 +78,7 @@ class Decision:
                 "candidates": self.candidates, "profile": self.profile,
                 "scheduler": self.scheduler, "consumed_samples": self.consumed_samples,
                 "joined": self.joined, "members": self.members, "pending": self.pending,
-                "admissions": self.admissions, "why": self.why}
+                "admissions": self.admissions, "why": self.why, "finishing": self.finishing}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Decision":
@@ -86,7 +88,7 @@ class Decision:
                    d.get("consumed_samples"), [int(r) for r in d.get("joined") or []],
                    [int(r) for r in d.get("members") or []],
                    [str(a) for a in d.get("pending") or []], int(d.get("admissions") or 0),
-                   d.get("why"))
+                   d.get("why"), bool(d.get("finishing")))
 
 
 @dataclass

@@ -136,11 +136,12 @@ class Handover:
     """What a rank entering without state (a joiner, a spare given a place) takes from the
     stayers, as of their last applied step: the LR schedule's state, the samples count, and
     the names of the actions they still run at this iteration boundary (the interrupted one
-    first). JSON, in the published decision."""
+    first) and whether those are the job's final ones. JSON, in the published decision."""
 
     scheduler: dict
     consumed: int
     pending: list[str]
+    finishing: bool = False
 
 
 @dataclass
@@ -384,11 +385,15 @@ class ElasticManager:
             if verdict.decision is not None:
                 d = verdict.decision
                 d.scheduler, d.consumed_samples = handover.scheduler, handover.consumed
-                d.pending, d.admissions = list(handover.pending), self.admissions
+                at = ag.boundary or {"pending": handover.pending,
+                                     "finishing": handover.finishing}
+                d.pending, d.finishing = list(at["pending"]), bool(at["finishing"])
+                d.admissions = self.admissions
             return verdict
 
         return self._transact(self.generation + 1, candidates, decide, enter, iteration,
-                              first_notice)
+                              first_notice, {"pending": list(handover.pending),
+                                             "finishing": handover.finishing})
 
     def join(self, enter: Enter, timeout_s: float) -> Transition:
         """A restarted or new rank: ask to join, wait for the admission, enter the world."""
@@ -459,7 +464,8 @@ class ElasticManager:
 
     def _transact(self, generation: int, candidates: list[int],
                   decide: Callable[[Agreement], Verdict], enter: Enter,
-                  iteration: int, first_notice: float) -> Transition:
+                  iteration: int, first_notice: float,
+                  boundary: dict | None = None) -> Transition:
         causes: dict[int, str] = {}
         committed_alive, old_generation = list(self.alive), self.generation
         attempts = fruitless = 0
@@ -469,7 +475,7 @@ class ElasticManager:
             self.tick(iteration, f"agreement of generation {generation}", waiting=True)
             ag = self.members.agreements.agree(generation, candidates,
                                                self.config.timeouts.agree_s,
-                                               iteration=self.applied)
+                                               iteration=self.applied, boundary=boundary)
             causes.update(ag.causes)
             decision = self._verdict(ag, decide)
             if decision is None:            # the leader died before publishing: again, up one

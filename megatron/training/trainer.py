@@ -555,6 +555,8 @@ class Trainer:
         except Spare:
             return False
         self.lost_at += [t.first_notice] * len(t.failed)
+        # Every stayer resumes the boundary where the least advanced one stood (Decision.pending)
+        self.pending, self.finishing = list(t.decision.pending), t.decision.finishing
         resume = self.iteration
         if resume < before:   # a restart went back to its checkpoint: so do the actions
             self.pending, self.finishing = [], False
@@ -570,7 +572,8 @@ class Trainer:
         once and entered by every attempt. `pending`: the actions this boundary still runs
         after it (a rank entering without state runs them too). Raises Spare."""
         carried = self._capture()
-        handover = Handover(self.built.runtime.scheduler.state_dict(), self.consumed, pending)
+        handover = Handover(self.built.runtime.scheduler.state_dict(), self.consumed, pending,
+                            self.finishing)
         self.built = None
         try:
             t = self.elastic.reconfigure(trigger, self.plan, self._enter_with(carried),
@@ -615,7 +618,7 @@ class Trainer:
             except (Unrecoverable, MembershipError, state_transfer.StateLost) as why:
                 raise JobError(f"cannot go on in-process as a spare: {why}") from None
         self._entered(t)
-        self.pending, self.finishing = list(t.decision.pending), False
+        self.pending, self.finishing = list(t.decision.pending), t.decision.finishing
         print(f"> launch rank {self.elastic.launch_rank} left the spares for the "
               f"{t.decision.strategy} plan after iteration {self.iteration}: rank {t.rank} of "
               f"{t.plan.world_size}, generation {t.plan.generation}"

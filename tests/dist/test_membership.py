@@ -374,6 +374,21 @@ def test_the_agreement_proves_the_survivors_applied_the_same_steps(store):
     assert "{0: 9, 1: 9, 2: 10}" in str(out[0])
 
 
+@pytest.mark.timeout(30)
+def test_every_survivor_resumes_the_boundary_where_the_least_advanced_stood(store):
+    """A loss in a save's collectives let ranks 0 and 1 finish it and start the final reports
+    while rank 2 stayed in it: all three agree on rank 2's place (the save, then the final
+    actions), whoever leads; a joiner (no state) has none."""
+    ms = {r: Membership(_client(store), r, 4, heartbeat_timeout=30) for r in range(4)}
+    ahead = {"pending": ["memory", "replicas"], "finishing": True}
+    behind = {"pending": ["checkpoint"], "finishing": False}
+    out = _run_threads({r: (lambda r=r: ms[r].agreements.agree(
+        1, [0, 1, 2, 3], timeout_s=5, iteration=None if r == 3 else 10,
+        boundary=None if r == 3 else behind if r == 2 else ahead)) for r in range(4)})
+    assert all(ag.boundary == behind for ag in out.values()), out
+    assert Agreement.from_json(out[0].to_json()).boundary == behind
+
+
 def _rendezvous(rank: int, addr: str, world: int, generation: int, queue) -> None:
     import torch
     store = connect_store(addr, timeout_s=30)
