@@ -288,6 +288,14 @@ class Executor:
         tp_ok = not lost & set(dist.get_process_group_ranks(rt.module.pg_collection.tp))
         failed_op = ops[self._position] if self._started else None
         reduce_op = failed_op is not None and failed_op.kind is OpKind.REDUCE_GRADS
+        # The replicas' first forward gathers the stepped shards in its hooks: joined if this
+        # rank's had not finished (after it, a group not dispatched is next iteration's).
+        first_fwd = next((i for i, op in enumerate(ops) if op.kind is OpKind.FWD), -1)
+        if ddp_ok and rt.model.ddp_config.overlap_param_gather and self._position <= first_fwd:
+            try:
+                _join_param_sync(rt.model)
+            except RuntimeError:
+                pass
         for op in ops[self._position + (1 if self._started and not reduce_op else 0):]:
             try:
                 if op.kind in (OpKind.SEND_FWD, OpKind.SEND_BWD) and op.peer not in lost:
@@ -513,6 +521,22 @@ class Executor:
         OpKind.BWD_INPUT: _bwd_input, OpKind.BWD_WEIGHT: _bwd_weight,
         OpKind.REDUCE_GRADS: _reduce_grads,
     }
+
+
+def _join_param_sync(model) -> None:
+    """Take part in the replica group's gather of the stepped shards (--overlap-param-gather)
+    from wherever this rank's forwards stopped. DDP's forward pre-hooks finish each bucket
+    group's all-gather as the first forward reaches it and dispatch the next one's; here every
+    group is finished in that chain's order (megatron-core's next_param_gather_bucket_group),
+    which for a group already gathered does nothing, so the replicas' collectives pair up."""
+    groups = model.bucket_groups + model.expert_parallel_bucket_groups
+    followers = {id(g.next_param_gather_bucket_group) for g in groups}
+    for group in groups:
+        if id(group) in followers:
+            continue
+        while group is not None:   # a chain's head, then its followers
+            group.finish_param_sync()
+            group = group.next_param_gather_bucket_group
 
 
 def _join_grad_sync(model) -> None:

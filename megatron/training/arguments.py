@@ -743,9 +743,6 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
     ("--num-virtual-stages-per-pipeline-rank",
      lambda a: a.num_virtual_stages_per_pipeline_rank is not None,
      "interleaved pipelines are not supported yet"),
-    ("--overlap-param-gather", lambda a: a.overlap_param_gather and a.chameleon,
-     "not with --chameleon yet: a worker lost at some instants left the survivors blocked in "
-     "the forwards' hooks' all-gathers (1 of 11 outside kills in tests)"),
     ("--bf16", lambda a: a.bf16 and a.use_distributed_optimizer and a.chameleon,
      "not with --use-distributed-optimizer and --chameleon yet: a recovery carries the "
      "optimizer's fp32 shards of fp32 parameters only, not the fp32 main copies of bf16 ones"),

@@ -128,7 +128,7 @@ def test_a_kill_from_outside_at_a_random_instant(references, small_data, tmp_pat
     """tools/inject_failure.py SIGKILLs a random rank of pipeline 2 x data 3 a random delay
     after it works past a random iteration, with checkpoints every 2 to 5 iterations (so some
     kills land in a save), under auto. (tests/e2e/test_sharded_recovery.py kills at 4 more
-    random instants, with the distributed optimizer and overlapped reduction.)"""
+    random instants, with the distributed optimizer and both overlaps.)"""
     case = _random_kill(seed)
     port = free_port()
     kill = LateKill(port, case["rank"], case["after"], case["delay_ms"]).start()

@@ -108,8 +108,6 @@ def test_data_checkpoint_and_logging_flags():
     (["--expert-model-parallel-size", "2", "--num-experts", "4"],
      "--expert-model-parallel-size: expert parallelism"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "interleaved pipelines"),
-    (["--use-distributed-optimizer", "--overlap-param-gather", "--chameleon"],
-     "--overlap-param-gather: not with --chameleon yet: a worker lost at some instants"),
     (["--bf16", "--use-distributed-optimizer", "--chameleon"],
      "--bf16: not with --use-distributed-optimizer and --chameleon yet"),
     (["--use-distributed-optimizer", "--chameleon", "--chameleon-redundancy", "eager"],
