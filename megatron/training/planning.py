@@ -86,19 +86,27 @@ class JobClock:
             return self.repair_minutes / 60.0
         return statistics.median(self.repairs_s) / 3600.0 if self.repairs_s else None
 
+    def lost(self, seconds_ago: float = 0.0) -> None:
+        """A failure (one or more ranks lost at once) `seconds_ago` seconds ago. Every rank
+        records each one after its transition, so whichever rank leads the next decision
+        knows them all; a decision retried, or an admission's plan, records none."""
+        self.failed_at.append(time.monotonic() - seconds_ago)
+
     def situation(self, iteration: int) -> Situation:
-        """At a failure during `iteration` (counted as one more failure of this job)."""
-        self.failed_at.append(time.monotonic())
-        return self.outlook(iteration)
+        """At a failure during `iteration`: the failures so far and this one."""
+        return self._situation(iteration, [*self.failed_at, time.monotonic()])
 
     def outlook(self, iteration: int) -> Situation:
         """Before `iteration`, with the failures seen so far (at least one expected: the
         rate of a job that has seen none is its running time so far)."""
+        return self._situation(iteration, self.failed_at)
+
+    def _situation(self, iteration: int, failed_at: list[float]) -> Situation:
         root = self.checkpoint.save or self.checkpoint.load
         ckpt = (checkpointing.latest_iteration(root) or 0) if root else 0
         mtbf = self.mtbf_hours
         if mtbf is None:
-            mtbf = (time.monotonic() - self.started) / 3600.0 / max(self.failures, 1)
+            mtbf = (time.monotonic() - self.started) / 3600.0 / max(len(failed_at), 1)
         recent = self.iteration_ms[-10:]
         return Situation(iteration=iteration, checkpoint_iteration=ckpt,
                          remaining_iterations=self.train_iters - iteration + 1,
@@ -108,14 +116,17 @@ class JobClock:
                          save_interval=(self.checkpoint.save_interval or 0)
                          if self.checkpoint.save else 0,
                          eager_redundancy=self.eager_redundancy,
-                         repair_hours=self.repair_hours(), failure_record=self.failure_record())
+                         repair_hours=self.repair_hours(),
+                         failure_record=self.failure_record(failed_at))
 
-    def failure_record(self) -> tuple[int, int]:
-        """planner.Situation.failure_record of this job's losses (none without a repair time)."""
+    def failure_record(self, failed_at: list[float] | None = None) -> tuple[int, int]:
+        """planner.Situation.failure_record of the losses at `failed_at` (default: this job's
+        so far); none without a repair time."""
         repair = self.repair_hours()
         if repair is None:
             return 0, 0
-        return planner.failure_record(self.failed_at, repair * 3600.0, time.monotonic())
+        return planner.failure_record(self.failed_at if failed_at is None else failed_at,
+                                      repair * 3600.0, time.monotonic())
 
 
 @dataclass

@@ -483,11 +483,18 @@ class Trainer:
         """Ranks lost during a planned transition make it a recovery: reported as one."""
         if not t.failed:
             return False
-        self.lost_at += [t.first_notice] * len(t.failed)
+        self._record_loss(t)
         self.reporter.recovery(t, Failure(self.iteration + 1, t.first_notice,
                                           f"lost during the {during}", during),
                                self.iteration, self.built.schedule)
         return True
+
+    def _record_loss(self, t) -> None:
+        """The ranks transition `t` lost: each to be repaired by a joiner, and one failure in
+        the planner's record."""
+        self.lost_at += [t.first_notice] * len(t.failed)
+        if t.failed and self.clock is not None:
+            self.clock.lost(time.time() - t.first_notice)
 
     def _report_shadows(self) -> None:
         mine = (self.built.shadows.held_bytes,
@@ -554,7 +561,7 @@ class Trainer:
             t = self._transition(failure, list(self.pending))
         except Spare:
             return False
-        self.lost_at += [t.first_notice] * len(t.failed)
+        self._record_loss(t)
         # Every stayer resumes the boundary where the least advanced one stood (Decision.pending)
         self.pending, self.finishing = list(t.decision.pending), t.decision.finishing
         resume = self.iteration

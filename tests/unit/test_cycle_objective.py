@@ -324,10 +324,11 @@ def test_chameleon_plan_rejects_a_bad_repair_time_in_one_line(capsys, value, say
 
 
 def test_the_job_keeps_the_record_of_its_own_losses(monkeypatch):
-    """The job's clock records each loss's time. With a one-hour repair, at the third loss: the
-    first was followed half an hour later by the second (the next loss came first), the
-    second's hour passed with no loss (known, repaired first), the third's outcome is not known
-    yet. With no repair time there is no record."""
+    """The job's clock records each loss's time (after its transition; a decision counts the
+    loss it is made for without recording it, so a retried one counts it once). With a
+    one-hour repair, at the third loss: the first was followed half an hour later by the second
+    (the next loss came first), the second's hour passed with no loss (known, repaired first),
+    the third's outcome is not known yet. With no repair time there is no record."""
     from megatron.training import planning
     from megatron.training.config import CheckpointConfig
     now = [10_000.0]
@@ -337,6 +338,8 @@ def test_the_job_keeps_the_record_of_its_own_losses(monkeypatch):
     for at in (0.0, 1800.0, 9000.0):
         now[0] = 10_000.0 + at
         records.append(clock.situation(1).failure_record)
+        assert clock.situation(1).failure_record == records[-1]   # a retried decision
+        clock.lost()
     assert records == [(0, 0), (1, 1), (1, 2)]
     now[0] += 3600.0
     assert clock.failure_record() == (1, 3)

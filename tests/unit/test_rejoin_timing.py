@@ -73,7 +73,9 @@ def test_the_outlook_counts_no_failure_and_sees_saves_only_with_somewhere_to_sav
     assert clock.outlook(5).save_interval == 0            # no --save
     clock.outlook(6)
     assert clock.failures == 0
-    clock.situation(7)
+    clock.situation(7)      # a decision at a failure: the loss is recorded after it
+    assert clock.failures == 0
+    clock.lost(2.0)
     assert clock.failures == 1
 
 
