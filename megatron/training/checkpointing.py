@@ -75,8 +75,8 @@ def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool,
 def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, meta: dict,
          group: dist.ProcessGroup | None = None,
          written: Callable[[], None] | None = None) -> Path:
-    """Collective over `group` (None: the world); `written`: called once this rank's part is written, before the
-    checkpoint is named (failure injection)."""
+    """Collective over `group` (None: the world); `written`: called once this rank's part is
+    written, before the checkpoint is named (failure injection)."""
     final = _dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
