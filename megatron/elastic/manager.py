@@ -371,6 +371,7 @@ class ElasticManager:
             self.admissions += 1
             self.admitted.update(record["joiners"])
 
+
         def decide(ag: Agreement) -> Verdict:
             lost = {i for i, r in enumerate(self.alive) if r not in ag.alive}
             spares = [r for r in ag.alive if r not in self.alive]
@@ -385,9 +386,8 @@ class ElasticManager:
             if verdict.decision is not None:
                 d = verdict.decision
                 d.scheduler, d.consumed_samples = handover.scheduler, handover.consumed
-                at = ag.boundary or {"pending": handover.pending,
-                                     "finishing": handover.finishing}
-                d.pending, d.finishing = list(at["pending"]), bool(at["finishing"])
+                # never None: this rank arrived with its own
+                d.pending, d.finishing = list(ag.boundary["pending"]), ag.boundary["finishing"]
                 d.admissions = self.admissions
             return verdict
 
