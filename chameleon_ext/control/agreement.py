@@ -38,22 +38,44 @@ class DivergedSteps(MembershipError):
     """Survivors report different last applied iterations: the step commit was not atomic."""
 
 
+@dataclass(frozen=True)
+class Boundary:
+    """Where a rank holding state stood at an iteration's boundary when its world broke: the
+    names of the actions it still runs there (the interrupted one first) and whether they are
+    the job's final ones. A failure in a save can let some ranks finish its collectives and go
+    on while others stay in it: every rank then resumes from the least advanced one's, or they
+    would run different collectives (measured: 17 generations of 5 s timeouts in a row)."""
+
+    pending: tuple[str, ...] = ()
+    finishing: bool = False
+
+    def behind(self) -> tuple[bool, int]:
+        """Orders boundaries least advanced first: not yet at the final actions before those
+        that are, then the most actions still to run."""
+        return self.finishing, -len(self.pending)
+
+    def to_dict(self) -> dict:
+        return {"pending": list(self.pending), "finishing": self.finishing}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Boundary":
+        return cls(tuple(str(a) for a in d["pending"]), bool(d["finishing"]))
+
+
 @dataclass
 class Agreement:
     generation: int             # the new generation this agreement opens
     alive: list[int]            # sorted old ranks that continue; new rank = alive.index(old rank)
     failed: list[int]           # candidates not in `alive` (failed, stale or exited cleanly)
     leader: int                 # lowest alive rank holding state (else lowest): it published
-    causes: dict[int, str] = field(default_factory=dict)   # failed rank -> cause / "stale" / "exited"
+    # failed rank -> cause / "stale" / "exited"
+    causes: dict[int, str] = field(default_factory=dict)
     # The last iteration whose optimizer step every rank of `alive` applied: the leader checked
     # that they all report the same one (None: nobody reported one, e.g. only joiners).
     iteration: int | None = None
-    # Where the least advanced rank holding state stood at that iteration's boundary: the
-    # actions it still runs there ("pending", the interrupted one first) and whether they are
-    # the job's final ones ("finishing"). A failure in a save can let some ranks finish its
-    # collectives and go on while others stay in it: every rank then resumes from here, or
-    # they would run different collectives (measured: 17 generations of 5 s timeouts in a row).
-    boundary: dict | None = None
+    # Where the least advanced rank holding state stood at that iteration's boundary, which
+    # every rank resumes from (None: nobody holding state arrived).
+    boundary: Boundary | None = None
 
     @property
     def world_size(self) -> int:
@@ -66,7 +88,8 @@ class Agreement:
         return json.dumps({"generation": self.generation, "alive": self.alive,
                            "failed": self.failed, "leader": self.leader,
                            "causes": {str(k): v for k, v in self.causes.items()},
-                           "iteration": self.iteration, "boundary": self.boundary})
+                           "iteration": self.iteration,
+                           "boundary": None if self.boundary is None else self.boundary.to_dict()})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Agreement":
@@ -74,7 +97,7 @@ class Agreement:
         return cls(int(d["generation"]), [int(r) for r in d["alive"]],
                    [int(r) for r in d["failed"]], int(d["leader"]),
                    {int(k): v for k, v in d.get("causes", {}).items()}, d.get("iteration"),
-                   d.get("boundary"))
+                   None if d.get("boundary") is None else Boundary.from_dict(d["boundary"]))
 
 
 class Agreements:
@@ -94,7 +117,7 @@ class Agreements:
 
     def agree(self, generation: int, candidates: list[int], timeout_s: float = 60.0,
               poll_s: float = 0.005, iteration: int | None = None,
-              boundary: dict | None = None) -> Agreement:
+              boundary: Boundary | None = None) -> Agreement:
         """Agree with the other survivors among `candidates` on the alive set of `generation`.
 
         Each rank writes its arrival under gen/{generation}, with `iteration`, the last
@@ -122,8 +145,9 @@ class Agreements:
             raise ValueError(f"rank {me} is not among the candidates {cand}")
         ns = gen_prefix(generation)
         final_key, arrivals_key = f"{ns}/final", f"{ns}/arrivals"
-        store.set(f"{ns}/arrived/{me}", json.dumps({"time": time.time(), "iteration": iteration,
-                                                    "boundary": boundary}))
+        store.set(f"{ns}/arrived/{me}", json.dumps({
+            "time": time.time(), "iteration": iteration,
+            "boundary": None if boundary is None else boundary.to_dict()}))
         store.append(arrivals_key, f"{me},")
         arrived: set[int] = {me}
         dropped: dict[int, str] = {}
@@ -195,12 +219,13 @@ class Agreements:
                                 "applied iteration)")
         return steps.pop() if steps else None
 
-    def _agreed_boundary(self, ns: str, ranks: list[int]) -> dict | None:
-        """The boundary of the least advanced of `ranks` (arrived at agreement `ns`): not yet
-        at the final actions before those that are, then the most actions still to run."""
+    def _agreed_boundary(self, ns: str, ranks: list[int]) -> Boundary | None:
+        """The boundary of the least advanced of `ranks` (arrived at agreement `ns`;
+        Boundary.behind)."""
         arrivals = self.member.store.multi_get([f"{ns}/arrived/{r}" for r in ranks])
-        found = [b for b in (json.loads(v).get("boundary") for v in arrivals) if b is not None]
-        return min(found, key=lambda b: (b["finishing"], -len(b["pending"])), default=None)
+        found = [Boundary.from_dict(b) for b in (json.loads(v).get("boundary") for v in arrivals)
+                 if b is not None]
+        return min(found, key=Boundary.behind, default=None)
 
     def agreement(self, generation: int) -> Agreement | None:
         """The published agreement of `generation`, if any (no waiting)."""

@@ -62,7 +62,8 @@ from typing import Callable, ClassVar
 
 import torch.distributed as dist
 
-from chameleon_ext.control.agreement import Agreement, AgreementTimeout, DivergedSteps
+from chameleon_ext.control.agreement import (Agreement, AgreementTimeout, Boundary,
+                                             DivergedSteps)
 from chameleon_ext.control.faults import Injector
 from chameleon_ext.control.generations import PublishTimeout
 from chameleon_ext.control.keys import JOIN_ENV, STORE_ENV
@@ -135,13 +136,12 @@ Trigger = Failure | PlannedSwitch | Admission
 class Handover:
     """What a rank entering without state (a joiner, a spare given a place) takes from the
     stayers, as of their last applied step: the LR schedule's state, the samples count, and
-    the names of the actions they still run at this iteration boundary (the interrupted one
-    first) and whether those are the job's final ones. JSON, in the published decision."""
+    where this rank stands at the iteration's boundary (the agreement publishes the least
+    advanced rank's). JSON, in the published decision."""
 
     scheduler: dict
     consumed: int
-    pending: list[str]
-    finishing: bool = False
+    boundary: Boundary
 
 
 @dataclass
@@ -387,13 +387,12 @@ class ElasticManager:
                 d = verdict.decision
                 d.scheduler, d.consumed_samples = handover.scheduler, handover.consumed
                 # never None: this rank arrived with its own
-                d.pending, d.finishing = list(ag.boundary["pending"]), ag.boundary["finishing"]
+                d.pending, d.finishing = list(ag.boundary.pending), ag.boundary.finishing
                 d.admissions = self.admissions
             return verdict
 
         return self._transact(self.generation + 1, candidates, decide, enter, iteration,
-                              first_notice, {"pending": list(handover.pending),
-                                             "finishing": handover.finishing})
+                              first_notice, handover.boundary)
 
     def join(self, enter: Enter, timeout_s: float) -> Transition:
         """A restarted or new rank: ask to join, wait for the admission, enter the world."""
@@ -465,7 +464,7 @@ class ElasticManager:
     def _transact(self, generation: int, candidates: list[int],
                   decide: Callable[[Agreement], Verdict], enter: Enter,
                   iteration: int, first_notice: float,
-                  boundary: dict | None = None) -> Transition:
+                  boundary: Boundary | None = None) -> Transition:
         causes: dict[int, str] = {}
         committed_alive, old_generation = list(self.alive), self.generation
         attempts = fruitless = 0

@@ -117,16 +117,15 @@ class JobClock:
                          if self.checkpoint.save else 0,
                          eager_redundancy=self.eager_redundancy,
                          repair_hours=self.repair_hours(),
-                         failure_record=self.failure_record(failed_at))
+                         failure_record=self._failure_record(failed_at))
 
-    def failure_record(self, failed_at: list[float] | None = None) -> tuple[int, int]:
-        """planner.Situation.failure_record of the losses at `failed_at` (default: this job's
-        so far); none without a repair time."""
+    def _failure_record(self, failed_at: list[float]) -> tuple[int, int]:
+        """planner.Situation.failure_record of the losses at `failed_at`; none without a
+        repair time."""
         repair = self.repair_hours()
         if repair is None:
             return 0, 0
-        return planner.failure_record(self.failed_at if failed_at is None else failed_at,
-                                      repair * 3600.0, time.monotonic())
+        return planner.failure_record(failed_at, repair * 3600.0, time.monotonic())
 
 
 @dataclass

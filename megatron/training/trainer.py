@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ext.comm import packed as comm
+from chameleon_ext.control.agreement import Boundary
 from chameleon_ext.control.faults import Injector
 from chameleon_ext.control.store import MembershipError, connect_store
 from chameleon_ext.control.world import PeerLost
@@ -579,8 +580,8 @@ class Trainer:
         once and entered by every attempt. `pending`: the actions this boundary still runs
         after it (a rank entering without state runs them too). Raises Spare."""
         carried = self._capture()
-        handover = Handover(self.built.runtime.scheduler.state_dict(), self.consumed, pending,
-                            self.finishing)
+        handover = Handover(self.built.runtime.scheduler.state_dict(), self.consumed,
+                            Boundary(tuple(pending), self.finishing))
         self.built = None
         try:
             t = self.elastic.reconfigure(trigger, self.plan, self._enter_with(carried),

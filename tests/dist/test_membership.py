@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from chameleon_ext.control.agreement import (Agreement, AgreementTimeout, DivergedSteps,
+from chameleon_ext.control.agreement import (Agreement, AgreementTimeout, Boundary, DivergedSteps,
                                              ExcludedFromAgreement)
 from chameleon_ext.control.generations import PublishTimeout
 from chameleon_ext.control.keys import (KEY_GENERATION, gen_prefix, key_agent_done, key_agent_hb,
@@ -380,8 +380,8 @@ def test_every_survivor_resumes_the_boundary_where_the_least_advanced_stood(stor
     while rank 2 stayed in it: all three agree on rank 2's place (the save, then the final
     actions), whoever leads; a joiner (no state) has none."""
     ms = {r: Membership(_client(store), r, 4, heartbeat_timeout=30) for r in range(4)}
-    ahead = {"pending": ["memory", "replicas"], "finishing": True}
-    behind = {"pending": ["checkpoint"], "finishing": False}
+    ahead = Boundary(("memory", "replicas"), finishing=True)
+    behind = Boundary(("checkpoint",))
     out = _run_threads({r: (lambda r=r: ms[r].agreements.agree(
         1, [0, 1, 2, 3], timeout_s=5, iteration=None if r == 3 else 10,
         boundary=None if r == 3 else behind if r == 2 else ahead)) for r in range(4)})

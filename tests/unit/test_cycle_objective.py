@@ -342,6 +342,6 @@ def test_the_job_keeps_the_record_of_its_own_losses(monkeypatch):
         clock.lost()
     assert records == [(0, 0), (1, 1), (1, 2)]
     now[0] += 3600.0
-    assert clock.failure_record() == (1, 3)
+    assert clock.outlook(1).failure_record == (1, 3)
     assert planning.JobClock(CheckpointConfig(), 100, None, False).situation(1).failure_record \
         == (0, 0)
