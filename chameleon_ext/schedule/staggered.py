@@ -1,13 +1,14 @@
 """The pace of back-to-back iterations when each rank steps on its own (ReCycle's staggered
 optimizer), against the synchronous step the executor runs.
 
-The executor's step ends with the commit: one all-reduce over the world (the loss, the parts of
-the gradient norm that clipping needs, the samples) and the vote, so no rank starts its next
-iteration before every rank has finished its backward; the simulated iteration time
-(simulator.simulate) is that period. ReCycle lets each stage step as soon as its own gradients
-are reduced over its replicas, so a rank whose work ends early (a deferred weight gradient of a
-rerouted micro-batch on a host, say) steps while the others still finish theirs, and starts its
-next iteration as soon as its inputs arrive: its step fills the next iteration's warm-up bubble.
+The executor's step waits for the commit: one all-reduce over the world (the loss, the parts of
+the gradient norm that clipping needs, the samples) and the vote, so no rank steps before every
+rank has finished its backward and its gradient reduction; the simulated iteration time
+(simulator.simulate, every rank starting at 0) is that period, the ranks' local steps after the
+commit included. ReCycle lets each stage step as soon as its own gradients are reduced over its
+replicas, so the first stage, which the next iteration needs first, need not wait for a later
+stage that finishes after it (the last one, with the output layer, after a first-stage loss)
+and starts the next iteration while that one still finishes.
 
 `staggered_period` measures that by simulation: `iterations` copies of a schedule run back to
 back, each rank going on to its next copy right after its own step, coupled to the others only
