@@ -51,7 +51,8 @@ class Agent:
         self.members: Membership | None = None
         self.workers: Workers | None = None
         self.watch: Watch | None = None
-        self.due: dict[int, float] = {}           # local rank -> monotonic time of its restart
+        # local rank -> (monotonic time of its restart, time.time() it may join from or None)
+        self.due: dict[int, tuple[float, float | None]] = {}
         self.stop_signal: int | None = None
         self.aborted: str | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -216,11 +217,13 @@ class Agent:
                 self._handle_exit(lr, rc)
                 if rc != 0 and self.aborted is None and \
                         w.restarts + len(self.due) < c.max_restarts:
-                    self.due[lr] = time.monotonic() + c.restart_delay_s
-            for lr in [lr for lr, at in self.due.items() if at <= time.monotonic()]:
-                del self.due[lr]
+                    ahead = min(c.start_ahead_s, c.restart_delay_s)
+                    self.due[lr] = (time.monotonic() + c.restart_delay_s - ahead,
+                                    time.time() + c.restart_delay_s if ahead else None)
+            for lr in [lr for lr, (at, _) in self.due.items() if at <= time.monotonic()]:
+                _, join_at = self.due.pop(lr)
                 if w.running and self.aborted is None:
-                    w.restart(lr)
+                    w.restart(lr, join_at)
             self._last_loop = time.time()
             if not w.running:
                 if self.due:

@@ -55,6 +55,7 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
 STORE_ENV = "CHAMELEON_STORE"
 HEARTBEAT_ENV = "CHAMELEON_HEARTBEAT_TIMEOUT"
 JOIN_ENV = "CHAMELEON_JOIN"     # "1": a restarted worker, joining a running job
+JOIN_AT_ENV = "CHAMELEON_JOIN_AT"  # a restarted worker asks to join from this time (epoch s) on
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 ROOT = "chameleon"
 

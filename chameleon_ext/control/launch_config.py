@@ -22,6 +22,9 @@ class LaunchConfig:
     max_failures: int = 4               # worker failures the job tolerates before it is stopped
     max_restarts: int = 0               # failed workers this node's agent starts again
     restart_delay_s: float = 0.0        # how long a failed worker's slot stays empty first
+    # How long before the delay ends the replacement starts; it asks to join only when the
+    # delay has passed, so its start-up (imports, set-up) is not counted in the delay.
+    start_ahead_s: float = 0.0
     # How long a heartbeat (a worker's, a node agent's) may be silent before its owner counts
     # as lost: a hung worker is killed, a silent node's ranks are reported.
     heartbeat_timeout_s: float = 5.0
@@ -42,9 +45,9 @@ class LaunchConfig:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1}")
         if self.max_failures < 0 or self.max_restarts < 0 or self.restart_delay_s < 0 or \
-                self.heartbeat_timeout_s <= 0:
-            raise ValueError("--max-failures, --max-restarts and --restart-delay must be >= 0 "
-                             "and --heartbeat-timeout > 0")
+                self.start_ahead_s < 0 or self.heartbeat_timeout_s <= 0:
+            raise ValueError("--max-failures, --max-restarts, --restart-delay and --start-ahead "
+                             "must be >= 0 and --heartbeat-timeout > 0")
         if self.store:
             try:
                 check_store_spec(self.store)

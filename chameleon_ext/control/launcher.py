@@ -46,7 +46,10 @@ new rank (world size + the job's restart count, from the store's ``chameleon/nex
 CHAMELEON_JOIN=1: the failed rank stays failed, and the new one asks to join the running job
 (pretrain_gpt.py --chameleon admits it at an iteration boundary; see megatron.elastic.manager).
 --restart-delay S keeps the slot empty for S seconds first (a repair time, as a failure trace
-states one); a restart still due when the node's last worker ends is dropped.
+states one); a restart still due when the node's last worker ends is dropped. With
+--start-ahead A the replacement starts A seconds before the delay ends (at once if A >= S) and
+asks to join only when the delay has passed (CHAMELEON_JOIN_AT), so its start-up is not counted
+in the repair time; it exits 0 if the job ends first.
 
 The agent ends when every worker of the job has exited or been reported failed. Exit status: the
 workers' own code when every worker of the node exited with the same non-zero code and nothing
@@ -98,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS",
                    help="seconds a failed worker's slot stays empty before --max-restarts "
                         "starts it again (default 0: at once)")
+    p.add_argument("--start-ahead", type=float, default=0.0, metavar="SECONDS",
+                   help="start a replacement this many seconds before --restart-delay ends; "
+                        "it asks to join only when the delay has passed, so its start-up is "
+                        "not counted in the delay (default 0)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds after which a silent heartbeat means a lost worker or node")
     p.add_argument("--store", metavar="ADDRESS", default=None,
@@ -129,7 +136,8 @@ def _config(args: argparse.Namespace) -> LaunchConfig:
         nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port,
         max_failures=args.max_failures, max_restarts=args.max_restarts,
-        restart_delay_s=args.restart_delay, heartbeat_timeout_s=args.heartbeat_timeout,
+        restart_delay_s=args.restart_delay, start_ahead_s=args.start_ahead,
+        heartbeat_timeout_s=args.heartbeat_timeout,
         store=args.store, store_timeout_s=args.store_timeout, join_timeout_s=args.join_timeout,
         grace_s=args.grace, log_dir=args.log_dir, no_python=args.no_python, module=args.module)
 

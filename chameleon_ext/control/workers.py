@@ -17,8 +17,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, sta
 
 from chameleon_ext.control.agent_log import log
 from chameleon_ext.control.agent_store import AgentStore, StoreGuard
-from chameleon_ext.control.keys import (HEARTBEAT_ENV, JOIN_ENV, KEY_NEXT_MEMBER, STORE_ENV,
-                                        key_node, key_worker)
+from chameleon_ext.control.keys import (HEARTBEAT_ENV, JOIN_AT_ENV, JOIN_ENV, KEY_NEXT_MEMBER,
+                                        STORE_ENV, key_node, key_worker)
 from chameleon_ext.control.launch_config import LaunchConfig
 
 
@@ -41,6 +41,7 @@ class Workers:
         self.outcome: dict[int, int] = {}         # local rank -> return code
         self.reported: set[int] = set()           # global ranks reported failed by this agent
         self.restarts = 0
+        self.join_at: dict[int, float] = {}      # local rank -> when its replacement may join
         self.contexts: list = []                  # of start_processes: the first, then restarts
         self.tmp_log_dir: str | None = None
 
@@ -68,6 +69,8 @@ class Workers:
                 e["OMP_NUM_THREADS"] = "1"
             if restarted:
                 e[JOIN_ENV] = "1"
+                if lr in self.join_at:
+                    e[JOIN_AT_ENV] = f"{self.join_at[lr]:.6f}"
             envs[lr] = e
         return envs
 
@@ -123,14 +126,18 @@ class Workers:
         log(f"node {self.node}: started {self.nproc} worker(s), {span} of {self.world_size} "
             f"(pids {pids}); store {self.opened.addr}")
 
-    def restart(self, lr: int) -> None:
+    def restart(self, lr: int, join_at: float | None = None) -> None:
         """Start a failed worker's slot again under a new rank (world_size + the job's count of
-        restarts so far): its old rank stays failed on the store; the new one joins."""
+        restarts so far): its old rank stays failed on the store; the new one joins, not
+        before `join_at` (time.time() seconds) when given."""
         count = self.guard.call(self.opened.store.add, KEY_NEXT_MEMBER, 1)
         if count is None:
             return
         old, self.restarts = self.ranks[lr], self.restarts + 1
         self.ranks[lr] = self.world_size + count - 1
+        self.join_at.pop(lr, None)
+        if join_at is not None:
+            self.join_at[lr] = join_at
         self._launch([lr])
         log(f"restarted worker rank {old} as rank {self.ranks[lr]} (pid {self.pids[lr]}), "
             f"restart {self.restarts} of --max-restarts {self.config.max_restarts}; it joins "

@@ -66,7 +66,7 @@ from chameleon_ext.control.agreement import (Agreement, AgreementTimeout, Bounda
                                              DivergedSteps)
 from chameleon_ext.control.faults import Injector
 from chameleon_ext.control.generations import PublishTimeout
-from chameleon_ext.control.keys import JOIN_ENV, STORE_ENV
+from chameleon_ext.control.keys import JOIN_AT_ENV, JOIN_ENV, STORE_ENV
 from chameleon_ext.control.membership import Membership
 from chameleon_ext.control.poll import poll
 from chameleon_ext.control.store import (MembershipError, connect_store, generation_store,
@@ -395,7 +395,9 @@ class ElasticManager:
                               first_notice, handover.boundary)
 
     def join(self, enter: Enter, timeout_s: float) -> Transition:
-        """A restarted or new rank: ask to join, wait for the admission, enter the world."""
+        """A restarted or new rank: ask to join (not before CHAMELEON_JOIN_AT, when set), wait
+        for the admission, enter the world."""
+        self._wait_for_repair()
         self.members.admissions.request_join()
         admit = self.members.admissions.admitted_to(timeout_s)
         if admit is None and self.members.admissions.trained():
@@ -415,6 +417,19 @@ class ElasticManager:
 
         return self._transact(admit["generation"], admit["candidates"], decide, enter, 0,
                               time.time())
+
+    def _wait_for_repair(self) -> None:
+        """A worker started ahead of its repair time (chameleon-launch --start-ahead) waits
+        for it out of the job, looking 5 times a second whether the job ended meanwhile
+        (NotNeeded: it exits 0 at once). The wait is the launcher's own bound: the rest of
+        --restart-delay."""
+        wait_s = float(os.environ.get(JOIN_AT_ENV) or 0.0) - time.time()
+        if wait_s <= 0:
+            return
+        self.tick(0, "waiting for its repair time", allow_s=wait_s + 1.0)
+        ended = self.members.admissions.trained
+        if poll(lambda: True if ended() else None, wait_s, 0.2) is not None:
+            raise NotNeeded("the job trained its last iteration before this rank's repair time")
 
     def stand_by(self, enter: Enter) -> Transition:
         """A spare (it dropped its state): wait, heartbeating, for the members to open the next

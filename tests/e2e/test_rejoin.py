@@ -4,6 +4,7 @@ its layers and Adam moments from the replicas, and goes back to the failure-free
 failure-free loss trajectory."""
 
 import re
+import time
 
 import pytest
 
@@ -181,3 +182,21 @@ def test_under_auto_a_rejoin_that_moving_state_would_not_pay_for_is_deferred(sma
     else:
         assert said[-1] == "stay"
         assert re.search(r"worker rank 4 \(pid \d+\) exited 0", run.stderr), run.stderr[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_started_ahead_of_its_repair_waits_for_it_and_leaves_when_the_job_ends(
+        small_data, tmp_path):
+    """--start-ahead 60 with --restart-delay 60: the replacement starts at once, out of the
+    job, and would ask to join only after the 60 s repair; the job's 12 iterations end first,
+    so it leaves with exit 0 as soon as they do (the job does not wait for the repair)."""
+    t0 = time.monotonic()
+    run = run_chameleon(4, _short_job(small_data), tmp_path, name="ahead", timeout=150,
+                        launcher_args=["--max-restarts", "1", "--restart-delay", "60",
+                                       "--start-ahead", "60"])
+    took_s = time.monotonic() - t0
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "restarted worker rank 3 as rank 4" in run.stderr
+    assert "the job trained its last iteration before this rank's repair time" in run.stdout
+    assert not [e for e in run.metrics if e["event"] == "rejoin"]
+    assert took_s < 60

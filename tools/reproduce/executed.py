@@ -4,8 +4,9 @@ and rejoins, and its average throughput is measured in samples per second of wal
 Each rank emulates a dedicated device of a profile (--chameleon-emulate, `dilation` times
 slower), so losing a rank costs what it would on the profile's devices, not less. A trace
 names, by iteration, which launch rank is killed (in the backward) and how many iterations of
-failure-free time later its slot is started again (chameleon-launch --max-restarts with
---restart-delay; the new worker joins at an iteration boundary). A rank is killed at most
+failure-free time later its slot is back (chameleon-launch --max-restarts with --restart-delay;
+the new worker is started ahead, --start-ahead, and asks to join when the repair time is up, at
+the next iteration boundary). A rank is killed at most
 once: its replacement has a new rank. No stage loses all its replicas at once.
 
 A trace compresses time: its interval between failures stands for an hour of training. The
@@ -56,6 +57,11 @@ FIRST_KILL, LAST_MARGIN = 5, 3
 # 8 to 32 processes starting on a few shared cores hold the agent's store back for seconds;
 # a lost worker is seen at once by its exit, so a long heartbeat costs nothing here.
 LAUNCHER = ["--heartbeat-timeout", "30"]
+# A killed slot's replacement starts this long before its repair time is up and joins only
+# then, so that its start-up (`import torch, megatron` alone takes 10-11 s here) is not counted
+# in the repair; ahead of the repair rather than at the kill, so that it does not share these
+# cores with the survivors' recovery.
+START_AHEAD_S = 15.0
 MICRO_BATCHES = 4                      # per pipeline and iteration, of SMALL_MODEL's 2 samples
 CHAMELEON_FLAGS = {
     "auto": ["--chameleon-strategy", "auto"],
@@ -256,7 +262,8 @@ def run_policy(policy: str, trace: ExecutedTrace, c: Config, ff: Measured,
         return _megatron(trace, c, ff, workdir, name)
     repair = [] if trace.repair is None else [
         "--max-restarts", str(len(trace.kills)),
-        "--restart-delay", f"{trace.repair * ff.median_iteration_ms / 1e3:.3f}"]
+        "--restart-delay", f"{trace.repair * ff.median_iteration_ms / 1e3:.3f}",
+        "--start-ahead", f"{START_AHEAD_S:g}"]
     launched = time.time()
     with tempfile.TemporaryDirectory(prefix="traces-ckpt-") as ckpt:
         run = run_chameleon(
