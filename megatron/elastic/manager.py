@@ -426,7 +426,10 @@ class ElasticManager:
         wait_s = float(os.environ.get(JOIN_AT_ENV) or 0.0) - time.time()
         if wait_s <= 0:
             return
-        self.tick(0, "waiting for its repair time", allow_s=wait_s + 1.0)
+        # No allowance (0): no rank waits on one out of the job, so its stall is nobody's hang;
+        # a bound here would also hold through the join that follows (an allowance lasts until
+        # a tick changes it), which waits for the admission as long as the leader decides.
+        self.tick(0, "waiting for its repair time", allow_s=0.0)
         ended = self.members.admissions.trained
         if poll(lambda: True if ended() else None, wait_s, 0.2) is not None:
             raise NotNeeded("the job trained its last iteration before this rank's repair time")

@@ -36,14 +36,20 @@ def ref(small_data, tmp_path_factory):
 SHARDED = ["--use-distributed-optimizer", "--chameleon-shard-redundancy", "buddy"]
 
 
+# Started ahead (--start-ahead), the replacement waits out of the job for its repair time
+# (--restart-delay) and then joins: 6 s, about as long as a start-up here.
+AHEAD = ["--restart-delay", "6", "--start-ahead", "6"]
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("extra", [[], SHARDED], ids=["replicated", "sharded-buddy"])
+@pytest.mark.parametrize("extra,launch", [([], AHEAD), (SHARDED, [])],
+                         ids=["replicated-started-ahead", "sharded-buddy"])
 def test_a_restarted_worker_rejoins_and_the_plan_returns_to_failure_free(small_data, tmp_path,
-                                                                         ref, extra):
+                                                                         ref, extra, launch):
     run = run_chameleon(4, common(small_data) + extra + [
         "--chameleon", "--chameleon-strategy", "reroute",
         "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"], tmp_path, name="rejoin",
-        launcher_args=["--max-restarts", "1"], timeout=300)
+        launcher_args=["--max-restarts", "1", *launch], timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "restarted worker rank 3 as rank 4" in run.stderr
     events = run.metrics
@@ -54,6 +60,9 @@ def test_a_restarted_worker_rejoins_and_the_plan_returns_to_failure_free(small_d
     rejoin = [e for e in events if e["event"] == "rejoin"]
     assert len(rejoin) == 1 and rejoin[0]["joined"] == [4] and rejoin[0]["world"] == 4
     assert rejoin[0]["moved_bytes"] > 0          # the newcomer's whole stage, from a replica
+    if launch:                                   # not before its repair time
+        failure = next(e for e in events if e["event"] == "failure")
+        assert rejoin[0]["time"] - failure["time"] >= 6.0
     plan = ExecutionPlan.from_dict(rejoin[0]["plan"])
     plan.generation = 0
     assert plan == ExecutionPlan.failure_free(4, 1, 2, 4, 2, 16)

@@ -5,8 +5,10 @@ set iterations, each killed slot started again `--repair` iterations later; the 
 interval between failures stands for an hour, and a checkpoint every 30 minutes, a 5-minute
 relaunch and the checkpoint storage are compressed with it). Prints each run's measured
 average throughput (samples per second of wall time, transitions included) beside the
-simulator's prediction for the same trace, and auto / each policy, measured and predicted,
-beside the paper's 1.229 (Oobleck) and 1.355 (ReCycle).
+simulator's prediction for the same trace, the spread over repeats ((largest - smallest) /
+mean), the host seconds of its in-process transitions (detection to resume, real here, not
+compressed), and auto / each policy, measured and predicted, beside the paper's 1.229
+(Oobleck) and 1.355 (ReCycle).
 
     python tools/bench/traces.py [--ranks 8] [--iters 48] [--every 12] [--poisson 12]
         [--repair 12] [--dilation 50] [--profile PROFILE.json] [--repeats 1]
@@ -15,6 +17,7 @@ beside the paper's 1.229 (Oobleck) and 1.355 (ReCycle).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -86,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                                on_run=lambda label: print(f"  ran {label}", flush=True))
     ff = cmp.failure_free_samples_per_s
     print(f"\nfailure-free: {ff:.2f} samples/s (iteration {cmp.failure_free[0].median_iteration_ms:.0f} ms)")
-    print(f"{'trace':>30} | {'policy':>9} | {'samples/s':>9} | {'/ ff':>5} | {'predicted':>9} | "
-          f"{'recoveries':>22} | rejoins | loss diff | overruns")
+    print(f"{'trace':>30} | {'policy':>9} | {'samples/s':>9} | {'spread':>6} | {'/ ff':>5} | "
+          f"{'predicted':>9} | {'recoveries':>22} | rejoins | host s | loss diff | overruns")
     for t in trs:
         for q in policies:
             ms = cmp.runs[t.name, q.name]
@@ -97,9 +100,14 @@ def main(argv: list[str] | None = None) -> int:
             share = max(m.overrun_share for m in ms)
             valid = "" if all(m.valid for m in ms) else " INVALID"
             tput = cmp.samples_per_s(t.name, q.name)
-            print(f"{t.name:>30} | {q.name:>9} | {tput:9.2f} | {tput / ff:5.2f} | "
+            # a relaunch is not an in-process transition: its time is the trace's relaunch
+            host = "-" if q.name == executed.MEGATRON else \
+                f"{statistics.fmean(m.transition_s for m in ms):.1f}"
+            print(f"{t.name:>30} | {q.name:>9} | {tput:9.2f} | "
+                  f"{100 * cmp.spread(t.name, q.name):5.1f}% | {tput / ff:5.2f} | "
                   f"{cmp.predicted[t.name, q.name]:9.2f} | {rec:>22} | "
-                  f"{sum(m.rejoins for m in ms):7d} | {diff:9.1e} | {100 * share:.2f}%{valid}")
+                  f"{sum(m.rejoins for m in ms):7d} | {host:>6} | {diff:9.1e} | "
+                  f"{100 * share:.2f}%{valid}")
     print(f"\n{'trace':>30} | {'auto / policy':>13} | {'measured':>8} | {'predicted':>9} | paper")
     for t in trs:
         for q in policies:

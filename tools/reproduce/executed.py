@@ -203,6 +203,9 @@ class Measured:
     valid: bool = True
     startup_s: float = 0.0             # launch to the start of iteration 1
     median_iteration_ms: float = 0.0
+    # Host time of the in-process transitions (recoveries and rejoins: from the first notice to
+    # the new world's start), real here and not compressed with the trace.
+    transition_s: float = 0.0
 
 
 def _args(c: Config, iterations: int, checkpoints: Path) -> list[str]:
@@ -237,6 +240,8 @@ def _measure(policy: str, trace: str, events: list[dict], iterations: int, c: Co
                  valid=bool(emu) and all(e["valid"] for e in emu), startup_s=start - launched)
     m.recoveries = Counter(e["strategy"] for e in events if e["event"] == "recovery")
     m.rejoins = sum(e["event"] == "rejoin" for e in events)
+    m.transition_s = sum(e["reconfigure_ms"] for e in events
+                         if e["event"] in ("recovery", "rejoin")) / 1e3
     m.median_iteration_ms = statistics.median(e["elapsed_ms"] for e in its)
     return m
 
@@ -389,6 +394,11 @@ class Comparison:
     @property
     def failure_free_samples_per_s(self) -> float:
         return statistics.fmean(m.samples_per_s for m in self.failure_free)
+
+    def spread(self, trace: str, policy: str) -> float:
+        """(largest - smallest) / mean of the repeats' samples per second; 0 with one."""
+        rates = [m.samples_per_s for m in self.runs[trace, policy]]
+        return (max(rates) - min(rates)) / statistics.fmean(rates)
 
     def ratio(self, trace: str, policy: str) -> float:
         """auto over `policy`, measured."""
