@@ -41,11 +41,11 @@ class Workers:
         self.outcome: dict[int, int] = {}         # local rank -> return code
         self.reported: set[int] = set()           # global ranks reported failed by this agent
         self.restarts = 0
-        self.join_at: dict[int, float] = {}      # local rank -> when its replacement may join
         self.contexts: list = []                  # of start_processes: the first, then restarts
         self.tmp_log_dir: str | None = None
 
-    def _envs(self) -> dict[int, dict[str, str]]:
+    def _envs(self, join_at: float | None = None) -> dict[int, dict[str, str]]:
+        """Every local rank's environment; a restarted one asks to join from `join_at` on."""
         c, opened = self.config, self.opened
         envs = {}
         for lr, rank in enumerate(self.ranks):
@@ -69,8 +69,8 @@ class Workers:
                 e["OMP_NUM_THREADS"] = "1"
             if restarted:
                 e[JOIN_ENV] = "1"
-                if lr in self.join_at:
-                    e[JOIN_AT_ENV] = f"{self.join_at[lr]:.6f}"
+                if join_at is not None:
+                    e[JOIN_AT_ENV] = f"{join_at:.6f}"
             envs[lr] = e
         return envs
 
@@ -82,11 +82,12 @@ class Workers:
             return sys.executable, ("-u", "-m", c.training_script, *c.training_script_args)
         return sys.executable, ("-u", c.training_script, *c.training_script_args)
 
-    def _launch(self, local_ranks: list[int]) -> None:
-        """start_processes for these local ranks (their ranks and environment as now)."""
+    def _launch(self, local_ranks: list[int], join_at: float | None = None) -> None:
+        """start_processes for these local ranks (their ranks and environment as now; a
+        restarted one asks to join from `join_at` on)."""
         c = self.config
         entry, args = self._entry()
-        envs = self._envs()
+        envs = self._envs(join_at)
         if c.log_dir:
             specs = DefaultLogsSpecs(log_dir=c.log_dir, redirects=Std.ALL, tee=Std.ALL)
             prefixes = {i: f"[rank{self.ranks[lr]}]:" for i, lr in enumerate(local_ranks)}
@@ -135,10 +136,7 @@ class Workers:
             return
         old, self.restarts = self.ranks[lr], self.restarts + 1
         self.ranks[lr] = self.world_size + count - 1
-        self.join_at.pop(lr, None)
-        if join_at is not None:
-            self.join_at[lr] = join_at
-        self._launch([lr])
+        self._launch([lr], join_at)
         log(f"restarted worker rank {old} as rank {self.ranks[lr]} (pid {self.pids[lr]}), "
             f"restart {self.restarts} of --max-restarts {self.config.max_restarts}; it joins "
             "the running job")
