@@ -7,8 +7,7 @@ import json
 from typing import Callable, Protocol
 
 from chameleon_ext.control.failures import FailureLog
-from chameleon_ext.control.keys import (KEY_DEFERRED, KEY_JOINS, KEY_TRAINED, key_admission,
-                                        key_admit)
+from chameleon_ext.control.keys import KEY_JOINS, KEY_TRAINED, key_admission, key_admit
 from chameleon_ext.control.poll import poll
 from chameleon_ext.control.store import Member, read_log
 
@@ -16,8 +15,8 @@ from chameleon_ext.control.store import Member, read_log
 class Timing(Protocol):
     """When an admission is made (the planner's decision, e.g. decider.AdmissionTime)."""
 
-    after: int | None           # the iteration at whose end; None: not yet
-    action: str                 # "now" (state from the peers) or "checkpoint"
+    after: int                  # the iteration at whose end
+    action: str                 # "now" (state from the peers), "checkpoint" or "spare"
     costs: dict[str, float]
 
 
@@ -43,9 +42,8 @@ class Admissions:
         asking to join (not yet admitted, not failed), unless it is made already; in whole
         `unit`s (a tensor-parallel group: a lone shard has no place in any plan), the lowest
         ranks first; at the end of the iteration and by the action `when(joiners)` says
-        (default: the next iteration, moving state), or (its `after` None) not yet: then the
-        deferral is recorded, which keeps the joiners waiting (`admitted_to`). Returns `when`'s
-        answer, None when nobody waits or the admission is made already."""
+        (default: the next iteration, moving state). Returns `when`'s answer, None when nobody
+        waits or the admission is made already."""
         store = self.member.store
         key = key_admission(n)
         if store.check([key]):
@@ -59,11 +57,7 @@ class Admissions:
             return None
         at = when(waiting) if when else None
         after, action = (iteration + 1, "now") if at is None else (at.after, at.action)
-        if after is None:
-            store.set(KEY_DEFERRED, json.dumps({"iteration": iteration, "joiners": waiting,
-                                                "costs": at.costs}))
-        else:
-            store.set(key, json.dumps({"after": after, "joiners": waiting, "action": action}))
+        store.set(key, json.dumps({"after": after, "joiners": waiting, "action": action}))
         return at
 
     def admission_due(self, n: int, iteration: int) -> bool:
@@ -74,8 +68,9 @@ class Admissions:
 
     def admission(self, n: int) -> dict:
         """The n-th admission: {"after": iteration, "joiners": [...], "action": how the
-        joiners get their state, "now" (from the peers) or "checkpoint" (everyone reads the
-        checkpoint saved at that boundary)}."""
+        joiners get their state, "now" (from the peers), "checkpoint" (everyone reads the
+        checkpoint saved at that boundary) or "spare" (none: the plan is kept, the joiners
+        stand by as spares)}."""
         return json.loads(self.member.store.get(key_admission(n)))
 
     def admit(self, rank: int, generation: int, candidates: list[int], n: int) -> None:
@@ -86,30 +81,18 @@ class Admissions:
 
     def admitted_to(self, timeout_s: float, poll_s: float = 0.05) -> dict | None:
         """A joiner: where it meets the others (admit's record), once it is admitted; None
-        after `timeout_s` without a word from the leader, or once the job has trained its last
-        iteration (`trained`). A deferral the leader records (schedule_admission) is a word:
-        the objective may keep a joiner waiting longer than any fixed bound, but a leader that
-        neither admits nor defers it for `timeout_s` has stopped deciding."""
+        after `timeout_s` without it, or once the job has trained its last iteration
+        (`trained`). The leader admits every joiner at the next boundary, or at the next
+        periodic checkpoint's."""
         store = self.member.store
         key = key_admit(self.member.require_rank("join"))
-        deferred = self._deferral()
 
         def look() -> dict | None:
             if store.check([key]):
                 return json.loads(store.get(key))
-            if self.trained():
-                return {}                   # stop looking (an admission is never empty)
-            return {"deferred": True} if self._deferral() != deferred else None
+            return {} if self.trained() else None   # {}: stop looking (an admission is never empty)
 
-        while True:
-            found = poll(look, timeout_s, poll_s)
-            if not found or "deferred" not in found:
-                return found or None
-            deferred = self._deferral()
-
-    def _deferral(self) -> str | None:
-        store = self.member.store
-        return store.get(KEY_DEFERRED).decode() if store.check([KEY_DEFERRED]) else None
+        return poll(look, timeout_s, poll_s) or None
 
     def mark_trained(self, iteration: int) -> None:
         """The job has trained its last iteration: a joiner has nothing left to join."""

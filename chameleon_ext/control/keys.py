@@ -42,10 +42,8 @@ Store key layout (all keys below the ``chameleon/`` root; values are UTF-8 text 
                                        value (set by the agent that restarts it)
     chameleon/joins                    append log "r,r,..." of ranks asking to join
     chameleon/admission/{n}            JSON {"after": iteration, "joiners": [...], "action":
-                                       "now"|"checkpoint"}: the n-th admission, at the end of
-                                       that iteration (its leader)
-    chameleon/deferred                 JSON {"iteration", "joiners", "costs"}: the leader's last
-                                       decision to admit nobody yet (rewritten at each boundary)
+                                       "now"|"checkpoint"|"spare"}: the n-th admission, at the
+                                       end of that iteration (its leader)
     chameleon/admit/{rank}             JSON {"generation", "candidates", "admission"}: where a
                                        joiner meets the others
     chameleon/trained                  the last iteration, once the job trained it (its lead): no
@@ -103,7 +101,6 @@ KEY_GENERATION = f"{ROOT}/generation"
 KEY_NEXT_MEMBER = f"{ROOT}/next_member"
 KEY_JOINS = f"{ROOT}/joins"
 KEY_TRAINED = f"{ROOT}/trained"
-KEY_DEFERRED = f"{ROOT}/deferred"
 
 
 def key_admission(n: int) -> str:

@@ -48,11 +48,11 @@ class Planning:
 class AdmissionTime:
     """When the ranks asking to join are admitted: at the end of iteration `after` by `action`
     ("now": their state from the peers; "checkpoint": from the checkpoint saved at that
-    boundary), or (`after` None) not yet, asked again at the next boundary. `costs`: each
-    action's predicted total over the window (ms; planner.rejoin_choice), empty where the
-    decision is not the planner's."""
+    boundary; "spare": the plan kept, they stand by as spares, for the next loss). `costs`:
+    each action's predicted total over the window (ms; planner.rejoin_choice, where "stay" is
+    the spare's), empty where the decision is not the planner's."""
 
-    after: int | None
+    after: int
     action: str
     costs: dict[str, float]
 
@@ -101,7 +101,9 @@ class Decider:
         return verdict
 
     def _after_failure(self, plan: ExecutionPlan, lost: set[int], iteration: int,
-                       profile: Profile | None, spares: int = 0) -> Verdict:
+                       profile: Profile | None, spares: int = 0,
+                       strategies: tuple[str, ...] = planner.STRATEGIES) -> Verdict:
+        """`strategies`: those auto ranks."""
         survivors = plan.world_size - len(lost)
         why = self._state_lost(plan, lost)
         if why is not None:
@@ -114,7 +116,7 @@ class Decider:
             return Verdict(d)
         if self.strategy in ("auto", "reroute+restart") and profile is not None:
             ranked = planner.candidates(plan, lost, profile, self.planning.situation(iteration),
-                                        planner.STRATEGIES if self.strategy == "auto"
+                                        strategies if self.strategy == "auto"
                                         else (self.strategy, "substitute"), spares)
             # A plan that leaves out a state's last holder (a shard's: spares drop their state)
             # would restart from the checkpoint after all: the next one is taken instead.
@@ -154,12 +156,16 @@ class Decider:
 
     def admission_time(self, plan: ExecutionPlan, launch_ranks: list[int], joiners: list[int],
                        iteration: int) -> AdmissionTime:
-        """At the boundary after `iteration`: when the `joiners` are admitted. Under `auto`
-        with a live profile, the cycle's objective decides (planner.rejoin_choice) between the
-        earliest admission (the end of the next iteration: every rank must read the schedule
-        before it reaches that boundary), the next periodic checkpoint's boundary (the state
-        read from it: no moves between peers) and not yet; a forced strategy, no profile or a
-        regrowth that does not fill the failure-free plan admits at the earliest."""
+        """At the boundary after `iteration`: when and how the `joiners` are admitted. Under
+        `auto` with a live profile, the cycle's objective decides (planner.rejoin_choice)
+        between the earliest admission into the failure-free plan (the end of the next
+        iteration: every rank must read the schedule before it reaches that boundary), the
+        next periodic checkpoint's boundary (the state read from it: no moves between peers)
+        and staying on the plan, the joiners admitted at the earliest as spares (warm for the
+        next loss); a forced strategy or no profile admits into the plan at the earliest. A
+        regrowth that does not fill the failure-free plan weighs the plan that absorbs the
+        places nobody takes, now, against staying, and stays where that plan would restart:
+        an admission never throws committed work away."""
         earliest = AdmissionTime(iteration + 1, "now", {})
         profile = self._profile(plan, launch_ranks)
         if self.strategy != "auto" or profile is None or self.planning is None or \
@@ -168,16 +174,35 @@ class Decider:
         grown, members, new, lost = self._regrown(plan, launch_ranks,
                                                    launch_ranks + sorted(joiners))
         if lost:
-            return earliest
+            d = self._absorbed(new, lost, grown, iteration, profile).decision
+            if d is None or d.restarts:
+                return AdmissionTime(iteration + 1, "spare", {})
+            new = d.plan
+            members = [launch_ranks.index(r) if r in launch_ranks else None for r in d.members]
         # The window starts after the earliest boundary the admission can take.
         situation = self.planning.outlook(iteration + 2)
         same_tp = profile.at_tensor_parallel(plan.tensor_parallel)
         choice = planner.rejoin_choice(
             plan, predict_plan(plan, same_tp).iteration_ms, new,
             predict_plan(new, same_tp).iteration_ms,
-            {i: m for i, m in enumerate(members) if m is not None}, profile, situation)
-        after = {"now": iteration + 1, "checkpoint": choice.at_iteration}.get(choice.action)
-        return AdmissionTime(after, choice.action, choice.costs)
+            {i: m for i, m in enumerate(members) if m is not None}, profile, situation,
+            by_checkpoint=not lost)
+        if choice.action == "checkpoint":
+            return AdmissionTime(choice.at_iteration, "checkpoint", choice.costs)
+        return AdmissionTime(iteration + 1, "spare" if choice.action == "stay" else "now",
+                             choice.costs)
+
+    def _absorbed(self, new: ExecutionPlan, lost: set[int], grown: list[int], iteration: int,
+                  profile: Profile | None) -> Verdict:
+        """The grown world's plan where it does not fill the failure-free plan `new` (its
+        places `lost` nobody takes, absorbed as if they had failed; auto never restarts from
+        the checkpoint here: the ranks that stay hold the state), its members launch ranks."""
+        verdict = self._after_failure(new, lost, iteration, profile, strategies=tuple(
+            s for s in planner.STRATEGIES if s != "restart"))
+        if verdict.decision is not None:
+            verdict.decision.members = [
+                grown[r] for r in new.survivors(lost, verdict.decision.plan.world_size)]
+        return verdict
 
     def _regrown(self, plan: ExecutionPlan, launch_ranks: list[int], alive: list[int]
                  ) -> tuple[list[int], list[int | None], ExecutionPlan, set[int]]:
@@ -198,18 +223,20 @@ class Decider:
         launch ranks `alive`, then as many of the others, joiners and spares, as it has places
         for, lowest first; the rest stay spares), each stayer on the layers it holds; with
         fewer ranks than that plan, the places nobody takes are absorbed by the strategy as if
-        they had failed. `action` "checkpoint" (admission_time's): every rank reads the
-        checkpoint saved at this boundary instead of moving state between peers."""
+        they had failed. `action` (admission_time's) "checkpoint": every rank reads the
+        checkpoint saved at this boundary instead of moving state between peers; "spare": the
+        plan is kept, the joiners stand by as spares (unless a stayer was lost meanwhile)."""
         grown, _, new, lost = self._regrown(plan, launch_ranks, alive)
         profile = self._profile(plan, launch_ranks)   # measured under the plan running now
-        if action == "checkpoint" and not lost:
+        if action == "spare" and all(r in alive for r in launch_ranks):
+            kept = plan.relabelled({r: r for r in plan.ranks}, plan.generation + 1)
+            verdict = Verdict(self._forced("rejoin", kept, kept, set(), profile))
+            verdict.decision.members = list(launch_ranks)
+        elif action == "checkpoint" and not lost:
             verdict = Verdict(self._forced("restart", new, new, set(), profile))
             verdict.decision.members = list(grown)
         elif lost:
-            verdict = self._after_failure(new, lost, iteration, profile)
-            if verdict.decision is not None:
-                verdict.decision.members = [
-                    grown[r] for r in new.survivors(lost, verdict.decision.plan.world_size)]
+            verdict = self._absorbed(new, lost, grown, iteration, profile)
         else:
             verdict = Verdict(self._forced("rejoin", new, new, set(), profile))
             verdict.decision.members = list(grown)

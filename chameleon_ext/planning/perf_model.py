@@ -767,7 +767,9 @@ def _representatives(plan: ExecutionPlan, profile: Profile) -> \
 def transition_ms(profile: Profile, *, moved_bytes: int = 0, loaded_bytes: int = 0,
                   lost_iterations: int = 0, iteration_ms: float = 0.0) -> float:
     """Cost of going to a new plan: detection, the rebuild, state moved between ranks over the
-    point-to-point link, a checkpoint read, and the iterations whose work is lost."""
+    point-to-point link (`moved_bytes`: what the rank receiving the most receives), a
+    checkpoint read (`loaded_bytes`: the largest rank's), and the iterations whose work is
+    lost."""
     return (profile.detect_ms + profile.rebuild_ms
             + profile.p2p_ms_per_mib * moved_bytes / MIB
             + profile.load_ms_per_mib * loaded_bytes / MIB

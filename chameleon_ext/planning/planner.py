@@ -56,8 +56,8 @@ Every candidate c, doing the same N iterations, costs
 
 - back(c), the move back when the slot returns: to the plan before the failure with the lost
   ranks back, a planned move at an iteration boundary as an admission makes it: the rebuild
-  plus the state (parameters and Adam moments) each rank lacks there, from its peers
-  (`moved_state_bytes`). Rerouting moves the returning stage only; a re-laid-out plan moves
+  plus the state (parameters and Adam moments) the ranks lack there, from their peers, each
+  over its own link beside the others (`moved_state_bytes`: the rank that lacks the most). Rerouting moves the returning stage only; a re-laid-out plan moves
   most layers again.
 - next(c), absorbing the next failure from c's plan: a rank of it fails uniformly at random;
   with probability f(c) its (tensor-parallel group's) loss leaves a layer that no other rank
@@ -71,8 +71,9 @@ Every candidate c, doing the same N iterations, costs
 total / (N x global batch) is the expected time per sample over the window, so comparing
 totals compares it. The same model decides a rejoin (`rejoin_choice`): when a slot comes back,
 admit it now (a state-moving move), at the next periodic checkpoint (a move from that fresh
-checkpoint: the rebuild and the read, no state between peers) or stay on the current plan, over
-the window until the next failure or the end (no repair pending: p = 0).
+checkpoint: the rebuild and the read, no state between peers) or stay on the current plan (the
+ranks that came back stand by as spares, for the next loss), over the window until the next
+failure or the end (no repair pending: p = 0).
 
 A candidate whose predicted memory exceeds the device's is never chosen. The layouts of the
 restart search are predicted in the order of a lower bound on their iteration time, and the
@@ -386,11 +387,12 @@ def _hybrid(now: Candidate, then: Candidate, profile: Profile,
 # ---- the failure-repair cycle ------------------------------------------------------------------
 def moved_state_bytes(old: ExecutionPlan, new: ExecutionPlan, was: dict[int, int],
                       shape: ModelShape) -> int:
-    """The state (STATE_BYTES_PER_PARAM a parameter) the ranks of `new` lack, each its
-    tensor-parallel shard: rank i of `new` held old rank was[i]'s under `old` (absent: nothing,
-    a rank that comes back). The embedding, the final norm and the output layer count once for
-    a rank that takes them, never for one that holds them already."""
-    total = 0
+    """The state (STATE_BYTES_PER_PARAM a parameter) the rank of `new` that lacks the most
+    lacks, its tensor-parallel shard (the ranks receive beside each other, each over its own
+    link: the move's critical path): rank i of `new` held old rank was[i]'s under `old`
+    (absent: nothing, a rank that comes back). The embedding, the final norm and the output
+    layer count for a rank that takes them, never for one that holds them already."""
+    largest = 0
     for i in new.ranks:
         st, first, last = new.stage_of(i), new.is_first_stage(i), new.is_last_stage(i)
         need = stage_param_count(shape, st.num_layers, first, last, 1)
@@ -402,8 +404,8 @@ def moved_state_bytes(old: ExecutionPlan, new: ExecutionPlan, was: dict[int, int
             # the layers it keeps, and the first or last stage's own parameters it held
             need -= stage_param_count(shape, kept, first and old.is_first_stage(j),
                                       last and old.is_last_stage(j), 1)
-        total += STATE_BYTES_PER_PARAM * max(0, need) // new.tensor_parallel
-    return total
+        largest = max(largest, STATE_BYTES_PER_PARAM * max(0, need) // new.tensor_parallel)
+    return largest
 
 
 def move_back_ms(new: ExecutionPlan, plan: ExecutionPlan, lost: set[int],
@@ -465,7 +467,8 @@ def rejoin_window(situation: Situation, pace_ms: float) -> Window:
 @dataclass
 class RejoinChoice:
     """What to do when ranks come back: `action` "now", "checkpoint" (after the save of
-    `at_iteration`) or "stay"; `costs`: each action's total over the window (ms)."""
+    `at_iteration`) or "stay" (they wait as spares); `costs`: each action's total over the
+    window (ms)."""
 
     action: str
     costs: dict[str, float]
@@ -473,19 +476,22 @@ class RejoinChoice:
 
 
 def rejoin_choice(current: ExecutionPlan, current_ms: float, new: ExecutionPlan, new_ms: float,
-                  was: dict[int, int], profile: Profile, situation: Situation) -> RejoinChoice:
+                  was: dict[int, int], profile: Profile, situation: Situation,
+                  by_checkpoint: bool = True) -> RejoinChoice:
     """Admit the ranks that came back into `new` (the admission's plan, strategies.rejoin's
     overlay: its rank i held `current`'s rank was[i], absent for a newcomer) now, at the next
-    periodic checkpoint, or stay on `current`, by the cycle's objective over the window until
+    periodic checkpoint, or stay on `current` (they stand by as spares: a rebuild, nothing
+    moved), by the cycle's objective over the window until
     the next failure or the end (module docstring). `situation.iteration` is the next
     iteration to run, `failure_free_ms` the pace the window is counted at (else `new_ms`).
 
-        stay:       N x current + q x next(current)
+        stay:       rebuild + N x current + q x next(current)
         now:        move + N x new + q x next(new)
         checkpoint: k x current + rebuild and read + (N - k) x new + q x next(new)
 
     where move is the rebuild and the state the ranks lack from their peers, and k the
-    iterations until the next save (0: one is written at this boundary)."""
+    iterations until the next save (0: one is written at this boundary); `by_checkpoint` False:
+    not at a checkpoint (an admission that absorbs places nobody takes moves state now)."""
     profile = profile.at_tensor_parallel(new.tensor_parallel)
     win = rejoin_window(situation, situation.failure_free_ms or new_ms)
     then = running_ms(new, new_ms, profile, situation, win)
@@ -494,13 +500,13 @@ def rejoin_choice(current: ExecutionPlan, current_ms: float, new: ExecutionPlan,
     costs = {"now": move + then}
     at = None
     every = situation.save_interval
-    if every > 0:
+    if every > 0 and by_checkpoint:
         at = -(-(situation.iteration - 1) // every) * every
         k = at - (situation.iteration - 1)
         if k < win.iterations:
             read = switch_ms(profile, loaded_bytes=_loaded_bytes(new, profile))
             costs["checkpoint"] = read + k * (current_ms - new_ms) + then
-    costs["stay"] = running_ms(current, current_ms, profile, situation, win)
+    costs["stay"] = switch_ms(profile) + running_ms(current, current_ms, profile, situation, win)
     action = min(costs, key=costs.get)
     return RejoinChoice(action, costs, at if action == "checkpoint" else None)
 

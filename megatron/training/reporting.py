@@ -213,7 +213,9 @@ class Reporter:
                            reconfigure_ms=round(reconfigure_ms, 1),
                            predicted_iter_ms=d.predicted_iter_ms, plan=plan.to_dict(),
                            spares=len(t.spares))
-        self.line(f"> rejoin after iteration {it}: launch rank(s) {d.joined} admitted; "
+        who = f"launch rank(s) {d.joined} admitted" if d.joined else \
+            f"every joiner stands by as a spare ({len(t.spares)} in all)"
+        self.line(f"> rejoin after iteration {it}: {who}; "
                   f"{d.strategy} plan {layout_text(plan)} on {plan.world_size} ranks, "
                   f"generation {plan.generation}; {t.entered.moved_bytes / 2**20:.2f} MiB of "
                   f"parameters and optimizer state moved to them; reconfigured in "

@@ -473,12 +473,14 @@ class Trainer:
 
     def _admit(self) -> None:
         t = self._transition(Admission(self.iteration), self.pending[1:])
-        self._lost_during(t, "admission")
-        if t.decision.joined:
+        lost = self._lost_during(t, "admission")
+        # Reported also when every joiner stands by as a spare (the world was rebuilt), unless
+        # a loss made it a recovery, reported as one.
+        if t.decision.joined or not lost:
             self.reporter.rejoined(t, self.iteration)
-            # The planner's repair time, measured: each joiner repairs the oldest loss.
-            for _ in t.decision.joined[:len(self.lost_at)]:
-                self.clock.rejoined(time.time() - self.lost_at.pop(0))
+        # The planner's repair time, measured: each joiner repairs the oldest loss.
+        for _ in t.decision.joined[:len(self.lost_at)]:
+            self.clock.rejoined(time.time() - self.lost_at.pop(0))
 
     def _lost_during(self, t, during: str) -> bool:
         """Ranks lost during a planned transition make it a recovery: reported as one."""

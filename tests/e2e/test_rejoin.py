@@ -151,15 +151,16 @@ def test_a_restart_delay_keeps_the_slot_empty(small_data, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_under_auto_a_rejoin_that_moving_state_would_not_pay_for_is_deferred(small_data,
-                                                                             tmp_path, ref):
+def test_under_auto_a_rejoin_that_moving_state_would_not_pay_for_waits(small_data, tmp_path,
+                                                                         ref):
     """The given profile prices moving state between peers at 2 s per MiB and reading a
     checkpoint at 1 ms per MiB: after rank 3's loss, admitting its restarted slot now (its
-    stage's state from a replica) costs more than it saves, so the leader defers it: to the
-    next periodic save, where every rank reads that checkpoint (a `restart` onto the
+    stage's state from a replica) costs more than it saves, so the leader does not: it admits
+    it at the next periodic save, where every rank reads that checkpoint (a `restart` onto the
     failure-free plan, nothing moved between peers), or, if the rest of the job is too short
-    to pay even for that, past the end (the joiner leaves with exit 0). Either way the leader
-    says why in one line, and the job keeps the failure-free losses."""
+    to pay even for that, as a spare (the plan kept; it stands by until the end and leaves
+    with exit 0). Either way the leader says why in one line, and the job keeps the
+    failure-free losses."""
     profile = tmp_path / "profile.json"
     synthetic_profile(ModelShape(4, 64, 4, 32, 2, 384), layer_fwd_ms=5.0,
                       layer_bwd_input_ms=5.0, layer_bwd_weight_ms=5.0, head_fwd_ms=2.0,
@@ -169,7 +170,7 @@ def test_under_auto_a_rejoin_that_moving_state_would_not_pay_for_is_deferred(sma
     run = run_chameleon(4, common(small_data) + [
         "--chameleon", "--chameleon-profile", str(profile), "--save", str(tmp_path / "ckpt"),
         "--save-interval", "20", "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"],
-        tmp_path, name="deferred", launcher_args=["--max-restarts", "1"], timeout=300)
+        tmp_path, name="waits", launcher_args=["--max-restarts", "1"], timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "restarted worker rank 3 as rank 4" in run.stderr
     said = re.findall(r"\[chameleon\] rejoin after iteration \d+: (\w+)[^\n]*; predicted over "
@@ -178,18 +179,21 @@ def test_under_auto_a_rejoin_that_moving_state_would_not_pay_for_is_deferred(sma
     events = run.metrics
     assert_close(last_losses(events), ref.losses())
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
-    rejoin = [e for e in events if e["event"] == "rejoin"]
-    if rejoin:
-        assert said[-1] == "checkpoint" and len(rejoin) == 1
-        assert rejoin[0]["iteration"] % 20 == 0 and rejoin[0]["strategy"] == "restart"
+    [rejoin] = [e for e in events if e["event"] == "rejoin"]
+    if said[-1] == "checkpoint":
+        assert rejoin["iteration"] % 20 == 0 and rejoin["strategy"] == "restart"
         # the restarted rank, and the spares auto's recovery left out (a restart onto fewer
         # ranks, depending on the calibration) take their places too
         spares = next(e for e in events if e["event"] == "recovery")["spares"]
-        assert 4 in rejoin[0]["joined"] and len(rejoin[0]["joined"]) == 1 + spares
-        assert rejoin[0]["moved_bytes"] == 0
-        assert ExecutionPlan.from_dict(rejoin[0]["plan"]).world_size == 4
+        assert 4 in rejoin["joined"] and len(rejoin["joined"]) == 1 + spares
+        assert rejoin["moved_bytes"] == 0
+        assert ExecutionPlan.from_dict(rejoin["plan"]).world_size == 4
     else:
-        assert said[-1] == "stay"
+        assert said[-1] == "spare"
+        recovered = [e for e in events if e["event"] == "recovery"][-1]
+        assert rejoin["joined"] == [] and rejoin["moved_bytes"] == 0
+        assert rejoin["world"] == recovered["world"]      # the plan kept
+        assert "launch rank 4 stands by as a spare" in run.stdout
         assert re.search(r"worker rank 4 \(pid \d+\) exited 0", run.stderr), run.stderr[-3000:]
 
 

@@ -102,7 +102,9 @@ class Strategy(Protocol):
 
     def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
                     ctx: Context) -> int:
-        """The state that moves between ranks to enter `new` (bytes)."""
+        """The state that moves between ranks to enter `new`: the bytes of the rank that
+        receives the most (each rank receives over its own link, beside the others: the
+        move's critical path; a holder sending to several is not modelled as slower)."""
 
 
 def stage_cost_ms(profile: Profile, layers: int, first: bool, last: bool) -> float:
@@ -178,16 +180,17 @@ def with_layers(plan: ExecutionPlan, sizes: list[int]) -> ExecutionPlan:
 
 def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
                 profile: Profile, eager: bool = False) -> int:
-    """Parameters and Adam moments (12 bytes a parameter) of the layers each survivor holds
+    """Parameters and Adam moments (12 bytes a parameter) of the layers a survivor holds
     under `new` but did not under `plan` (plan.survivors(lost) numbered densely in their old
-    order), its tensor-parallel shard of them; `eager`: a rank also held the stages it kept
-    shadow copies of."""
+    order), its tensor-parallel shard of them, for the survivor that lacks the most (the ranks
+    receive beside each other: Strategy.moved_bytes); `eager`: a rank also held the stages it
+    kept shadow copies of."""
     survivors = plan.survivors(lost, new.world_size)
     shape = profile.shape
     shadowed: dict[int, list[int]] = {}
     for owner, holder in shadow_pairs(plan) if eager else ():
         shadowed.setdefault(holder, []).append(owner)
-    total = 0
+    largest = 0
     for p in new.pipelines:  # a group's shards move alike: costed once per stage
         for s, st in enumerate(p.stages):
             if not st.ranks:
@@ -203,16 +206,17 @@ def moved_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
                 extra += shape.embedding_params()
             if last and not any(plan.is_last_stage(r) for r in held):
                 extra += shape.output_params(first)
-            total += len(st.ranks) * (12 * extra // plan.tensor_parallel)
-    return total
+            largest = max(largest, 12 * extra // plan.tensor_parallel)
+    return largest
 
 
 def repartition_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
                       profile: Profile) -> int:
     """Under the distributed optimizer (profile.optimizer_instances): the sharded state
-    (perf_model.sharded_bytes_per_param) each survivor that keeps its layers receives for the
+    (perf_model.sharded_bytes_per_param) a survivor that keeps its layers receives for the
     part of its new shard its old shard did not cover, when its replica group or its place in
-    it changed (a layer new to a rank is moved_bytes' to count)."""
+    it changed (a layer new to a rank is moved_bytes' to count), for the survivor that
+    receives the most (Strategy.moved_bytes)."""
     if not profile.optimizer_instances:
         return 0
 
@@ -227,7 +231,7 @@ def repartition_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
 
     was, now = spans(plan), spans(new)
     survivors = plan.survivors(lost, new.world_size)
-    total = 0.0
+    largest = 0.0
     for r in new.ranks:
         old = survivors[r]
         if (plan.stage_of(old).layer_start, plan.stage_of(old).layer_end) != \
@@ -235,8 +239,9 @@ def repartition_bytes(plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
             continue
         (a, b), (c, d) = was[old], now[r]
         fresh = (d - c) - max(0.0, min(b, d) - max(a, c))
-        total += fresh * stage_params(new, r, profile.shape) * sharded_bytes_per_param(profile)
-    return round(total)
+        largest = max(largest, fresh * stage_params(new, r, profile.shape)
+                      * sharded_bytes_per_param(profile))
+    return round(largest)
 
 
 def state_survives(plan: ExecutionPlan, lost: set[int], eager: bool) -> bool:

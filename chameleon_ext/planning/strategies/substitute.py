@@ -46,7 +46,8 @@ class Substitute:
 
     def moved_bytes(self, plan: ExecutionPlan, new: ExecutionPlan, lost: set[int],
                     ctx: Context) -> int:
-        """The whole state of every filled place (each its tensor-parallel shard)."""
+        """The whole state of the largest filled place (its tensor-parallel shard): the
+        spares receive beside each other."""
         kept = len(plan.survivors(lost))
-        return sum(STATE_BYTES_PER_PARAM * stage_params(new, r, ctx.profile.shape)
-                   for r in new.ranks if r >= kept)
+        return max((STATE_BYTES_PER_PARAM * stage_params(new, r, ctx.profile.shape)
+                    for r in new.ranks if r >= kept), default=0)
