@@ -11,7 +11,9 @@ model, and then waits (sleeps) until the profile's device would have finished:
 - a received message, a gradient all-reduce and a state transfer take, after their real
   transfer, the profile's link time for the bytes of the profile's model shape;
 - a checkpoint save or load takes the emulated checkpoint's bytes over the storage's
-  bandwidth (STORAGE_MIB_PER_S unless --chameleon-emulate-storage says otherwise).
+  bandwidth (STORAGE_MIB_PER_S unless --chameleon-emulate-storage says otherwise);
+- eager redundancy's refresh of the shadow copies takes its messages' link time for the
+  profile's model (strategies.redundancy.refresh_ms).
 
 The waits are sleeps, never spins: while one rank sleeps the others compute on the cores it
 left. With a dilation large enough that every op's real time fits in its emulated time, each
@@ -29,6 +31,7 @@ from typing import Callable
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.planning.perf_model import MIB, ModelShape, Profile, ProfileCosts, stage_params
+from chameleon_ext.planning.strategies.redundancy import refresh_ms
 from chameleon_ext.schedule.ir import Op, OpKind
 from chameleon_ext.schedule.simulator import reduction_components
 
@@ -163,6 +166,13 @@ class EmulatedDevice:
     def reduced(self) -> None:
         """After the real gradient all-reduce: the profile's, for this rank's group."""
         self.emulation.pad(self.emulation.clock(), self.costs.reduce(self._group), counted=False)
+
+    def refreshed(self, began: float) -> None:
+        """After this rank's refresh of eager redundancy's shadow copies that began at
+        `began`: its messages over the profile's link, for the profile's model (not counted:
+        the refresh waits on its peers)."""
+        own = refresh_ms(self.plan, self.emulation.device_profile).get(self.rank, 0.0)
+        self.emulation.pad(began, own, counted=False)
 
     def checkpoint_io(self, began: float) -> None:
         """After this rank's part of a checkpoint save or load that began at `began`: its

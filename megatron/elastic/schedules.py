@@ -216,8 +216,11 @@ class Executor:
             timer = rt.timers(SHADOW_SYNC, log_level=2) if rt.timers else None
             if timer:
                 timer.start()
+            began = time.perf_counter()
             try:
                 rt.shadows.sync()
+                if rt.emulation:
+                    rt.emulation.refreshed(began)
             finally:
                 if timer:
                     timer.stop()

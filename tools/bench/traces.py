@@ -11,7 +11,7 @@ compressed), and auto / each policy, measured and predicted, beside the paper's 
 (Oobleck) and 1.355 (ReCycle).
 
     python tools/bench/traces.py [--ranks 8] [--iters 48] [--every 12] [--poisson 12]
-        [--repair 12] [--dilation 50] [--profile PROFILE.json] [--repeats 1]
+        [--repair 12] [--dilation 33] [--profile PROFILE.json] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repair", type=int, default=None,
                    help="iterations until a killed slot starts again (default: --every); "
                         "0: never")
-    p.add_argument("--dilation", type=float, default=50.0,
-                   help="--chameleon-emulate-dilation (default 50: valid at 8 ranks here)")
+    p.add_argument("--dilation", type=float, default=33.0,
+                   help="--chameleon-emulate-dilation (default 33: valid at 8 ranks here)")
     p.add_argument("--profile", type=Path, default=None,
                    help="the emulated device (default: the analytical H200 of a 1.3B GPT)")
     p.add_argument("--policies", nargs="+", default=[q.name for q in simulate.POLICIES],

@@ -433,8 +433,8 @@ def traces_table(ctx: Context) -> Section:
 # runs two traces with rejoins at a dilation valid at 8 ranks here. The quick job's 10 iterations
 # are the fewest around its kill at 6: the calibration's warm-up before it (executed.FIRST_KILL),
 # the margin to recover after it (LAST_MARGIN).
-EXECUTED_QUICK = dict(iterations=10, every=6, repair=None, dilation=10.0, poisson=False)
-EXECUTED_FULL = dict(iterations=48, every=12, repair=12, dilation=50.0, poisson=True)
+EXECUTED_QUICK = dict(iterations=10, every=6, repair=None, dilation=5.0, poisson=False)
+EXECUTED_FULL = dict(iterations=48, every=12, repair=12, dilation=33.0, poisson=True)
 
 
 def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
@@ -489,8 +489,10 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
               "time after its kill and joins the job" if trs[0].repair else "no rejoins")
     notes = [
         f"**Executed traces (measured):** {c.ranks} ranks on this machine, pipeline 2 x data "
-        f"{c.ranks // 2}, each emulating an {executed.DEFAULT_SHAPE.num_layers}-layer-shaped "
-        f"GPT layer per layer on an analytical H200 (`--chameleon-emulate`, dilation "
+        f"{c.ranks // 2} (layers {cluster.stage_sizes(c.plan)}: the planner's balance), each "
+        f"emulating an {executed.DEFAULT_SHAPE.num_layers}-layer-shaped GPT (micro-batches of "
+        f"{executed.DEFAULT_SHAPE.micro_batch_size}) layer per layer on an analytical H200 "
+        f"(`--chameleon-emulate`, dilation "
         f"{c.dilation:g}; `tools/reproduce/executed.py`). Traces of {trs[0].iterations} "
         f"iterations: {', '.join(t.name for t in trs)}; {repair}. One trace interval "
         f"({c.interval:g} iterations) stands for an hour: a checkpoint every "
@@ -498,15 +500,13 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
         f"{c.relaunch_wall_s:.1f} s of wall time (5 min) of which the real relaunch here "
         f"already takes the start-up ({cmp.failure_free[0].startup_s:.1f} s in the "
         "failure-free run), and the checkpoint storage compressed alike. Measured: samples "
-        "per second of wall time from the start of iteration 1 to the end of the last, "
-        "transitions included; failure-free "
+        "per second of wall time from the end of iteration 1 (a warm-up every policy shares) "
+        "to the end of the last, transitions included; failure-free "
         f"{ff:.2f} samples/s. *predicted (model)* is tools/reproduce/simulate.py on the same "
         "trace and emulated device: a prediction. The *paper* column is the paper's "
         "published 32-GPU average, not computed here. " + load,
         "Executed Megatron restarts only at failures: a GPU that is back joins at the next "
-        "relaunch (the simulated policy also relaunches at rejoins). Eager redundancy's "
-        "refresh is not padded by the emulation, so the executed Bamboo-like row does not pay "
-        "the upkeep its prediction charges.",
+        "relaunch (the simulated policy also relaunches at rejoins).",
         "A run whose *valid emulation* is NO had more than 1% of its ops overrun their "
         "emulated time: its timing is this host's, not the profile's (raise the dilation)."]
     return tables, notes, list(best.values())

@@ -60,10 +60,10 @@ def held_bytes(plan: ExecutionPlan, shape) -> dict[int, int]:
     return held
 
 
-def eager_cost(plan: ExecutionPlan, profile: Profile) -> EagerCost:
-    """What keeping the shadows of `plan` costs per iteration and per rank, from the profile's
-    point-to-point model (scaled by the calibrated shadow_sync_factor): each rank sends its
-    state to its holder and receives the states it holds, one message each."""
+def refresh_ms(plan: ExecutionPlan, profile: Profile) -> dict[int, float]:
+    """Per rank of `plan` that keeps shadows: its refresh over the profile's point-to-point
+    link (it sends its state to its holder and receives the states it holds, one message
+    each), before the calibrated shadow_sync_factor."""
     shape = profile.shape
     sent: dict[int, int] = {}
     messages: dict[int, int] = {}
@@ -73,6 +73,13 @@ def eager_cost(plan: ExecutionPlan, profile: Profile) -> EagerCost:
         for r in (owner, holder):
             messages[r] = messages.get(r, 0) + 1
     held = held_bytes(plan, shape)
-    sync = max((messages[r] * profile.p2p_alpha_ms + profile.p2p_ms_per_mib *
-                (sent.get(r, 0) + held.get(r, 0)) / MIB for r in messages), default=0.0)
-    return EagerCost(sync * profile.shadow_sync_factor, max(held.values(), default=0))
+    return {r: messages[r] * profile.p2p_alpha_ms + profile.p2p_ms_per_mib *
+            (sent.get(r, 0) + held.get(r, 0)) / MIB for r in messages}
+
+
+def eager_cost(plan: ExecutionPlan, profile: Profile) -> EagerCost:
+    """What keeping the shadows of `plan` costs per iteration and per rank: the slowest rank's
+    refresh (refresh_ms), scaled by the calibrated shadow_sync_factor."""
+    sync = max(refresh_ms(plan, profile).values(), default=0.0)
+    return EagerCost(sync * profile.shadow_sync_factor,
+                     max(held_bytes(plan, profile.shape).values(), default=0))
