@@ -143,6 +143,8 @@ class EmulatedDevice:
 
     def __post_init__(self) -> None:
         self._group = reduction_components(self.plan)[self.rank]
+        self._refresh_ms = refresh_ms(self.plan, self.emulation.device_profile).get(self.rank,
+                                                                                     0.0)
         # The first iteration under a plan pays one-time costs (allocations, first messages
         # on new groups) that every timing here leaves out as warm-up: its ops are padded but
         # not counted.
@@ -171,8 +173,7 @@ class EmulatedDevice:
         """After this rank's refresh of eager redundancy's shadow copies that began at
         `began`: its messages over the profile's link, for the profile's model (not counted:
         the refresh waits on its peers)."""
-        own = refresh_ms(self.plan, self.emulation.device_profile).get(self.rank, 0.0)
-        self.emulation.pad(began, own, counted=False)
+        self.emulation.pad(began, self._refresh_ms, counted=False)
 
     def checkpoint_io(self, began: float) -> None:
         """After this rank's part of a checkpoint save or load that began at `began`: its

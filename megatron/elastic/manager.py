@@ -621,7 +621,8 @@ class ElasticManager:
         to join are admitted now. The leader schedules an admission when the decider says
         (`Decider.admission_time`: the end of the next iteration at the earliest: every rank
         reaches that boundary only after that iteration's commit, which needs the leader's
-        vote, cast after it wrote the record; or a later checkpoint's; or not yet)."""
+        vote, cast after it wrote the record; or a later checkpoint's), into the plan or as
+        spares."""
         if self.launch_rank == min(self.alive):
             at = self.members.admissions.schedule_admission(
                 self.admissions, iteration, self.alive, self.admitted,
