@@ -112,10 +112,12 @@ def reference_run(nproc: int, args: list[str], workdir: Path, iterations: int,
 
 
 def run_chameleon(nproc: int, args: list[str], workdir: Path, *, timeout: float = 300,
-                  name: str = "job", launcher_args: list[str] = ()) -> Run:
-    """The same under chameleon-launch, whose workers survive a peer's death."""
+                  name: str = "job", launcher_args: list[str] = (), port: int | None = None
+                  ) -> Run:
+    """The same under chameleon-launch, whose workers survive a peer's death; its store on
+    127.0.0.1:`port` (default: a free one)."""
     return _run(["chameleon_ext.control.launcher", "--nproc-per-node", str(nproc), "--master-port",
-                 str(free_port()), *launcher_args], args, workdir, timeout, name)
+                 str(port or free_port()), *launcher_args], args, workdir, timeout, name)
 
 
 def _run(launcher: list[str], args: list[str], workdir: Path, timeout: float, name: str) -> Run:
@@ -281,6 +283,73 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def run_injector(store: str, args: list[str], write_trace: Callable[[], None] | None = None,
+                 timeout_s: float = 240) -> subprocess.CompletedProcess | None:
+    """tools/inject_failure.py on the job's `store`, tried again until the job's agent has
+    put the store and its workers up (within 120 s; None if it never does); `write_trace`
+    (re)writes a --trace file just before each try; `timeout_s` bounds one try."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if write_trace:
+            write_trace()
+        try:
+            out = subprocess.run([sys.executable, "tools/inject_failure.py", "--store", store,
+                                  *args], cwd=REPO, capture_output=True, text=True,
+                                 timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        if "is not in the store" in out.stderr or "no store" in out.stderr:
+            time.sleep(0.5)
+            continue
+        return out
+    return None
+
+
+@dataclass
+class TimedKills:
+    """tools/inject_failure.py --trace run beside a job on `port`: SIGKILLs of launch ranks
+    at wall-clock instants, whatever the job does then. `after`: the instants are seconds from
+    when rank 0 works past that iteration; None: they are epoch times (time.time())."""
+
+    port: int
+    path: Path                           # the trace file the tool reads
+    kills: list[tuple[float, int]]       # (instant, launch rank)
+    after: int | None = None
+    returncode: int | None = None
+    stdout: str = ""
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self) -> "TimedKills":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _write(self) -> None:
+        now = time.time()
+        self.path.write_text("".join(
+            f"{t if self.after is not None else max(0.0, t - now):.3f} {r}\n"
+            for t, r in self.kills))
+
+    def _run(self) -> None:
+        after = [] if self.after is None else ["--after-iteration", str(self.after), "--wait",
+                                               "180"]
+        # a try lasts the wait for rank 0's iteration (180 s), the trace and its start-up
+        last = max(t for t, _ in self.kills) - (0 if self.after is not None else time.time())
+        out = run_injector(f"127.0.0.1:{self.port}", ["--trace", str(self.path), *after],
+                           self._write, timeout_s=240 + max(0.0, last))
+        if out is not None:
+            self.returncode, self.stdout = out.returncode, out.stdout
+
+    def join(self, timeout: float = 60) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def signalled_at(self) -> list[float]:
+        """The wall time of each kill sent, from the tool's log lines."""
+        return [float(t) for t in re.findall(r"sent SIGKILL .* at (\d+\.\d+)$", self.stdout,
+                                             re.MULTILINE)]
+
+
 @dataclass
 class LateKill:
     """tools/inject_failure.py run beside a job: it signals `rank` `delay_ms` after the rank
@@ -308,24 +377,16 @@ class LateKill:
         return self
 
     def _run(self) -> None:
-        # The job's store appears once its agent runs: until then the tool finds no worker.
-        deadline = time.monotonic() + 120
         what = ("--node" if self.node else "--stop" if self.stop else "--term" if self.term
                 else "--kill")
-        while time.monotonic() < deadline:
-            out = subprocess.run(
-                [sys.executable, "tools/inject_failure.py", "--store",
-                 self.store or f"127.0.0.1:{self.port}", what, str(self.rank),
-                 "--after-iteration", str(self.after), "--delay-ms", str(self.delay_ms),
-                 "--wait", "180"],
-                cwd=REPO, capture_output=True, text=True, timeout=240)
-            if "is not in the store" in out.stderr or "no store" in out.stderr:
-                time.sleep(0.5)
-                continue
+        # a try lasts the tool's --wait (180 s) for the iteration, its delay and its start-up
+        out = run_injector(self.store or f"127.0.0.1:{self.port}", [
+            what, str(self.rank), "--after-iteration", str(self.after), "--delay-ms",
+            str(self.delay_ms), "--wait", "180"], timeout_s=240 + self.delay_ms / 1e3)
+        if out is not None:
             self.returncode, self.stderr = out.returncode, out.stderr
             found = re.search(r" at (\d+\.\d+)$", out.stdout.strip())
             self.signalled_at = float(found.group(1)) if found else None
-            return
 
     def join(self, timeout: float = 60) -> None:
         self._thread.join(timeout)

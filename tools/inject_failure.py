@@ -13,6 +13,7 @@
                                                                       and all of its workers
         [--after-iteration N [--delay-ms D]]  ... once its first worker works past iteration N
     python tools/inject_failure.py --store ADDRESS --trace FILE       timed kills
+        [--after-iteration N [--delay-ms D]]  ... timed from when rank 0 works past iteration N
 
 ADDRESS is the job's store, HOST:PORT or etcd://HOST:PORT,... (as given to chameleon-launch).
 Workers are found through the launcher's records in the store (``chameleon/worker/{rank}``:
@@ -32,7 +33,9 @@ iteration above N, then sleeps D milliseconds: a kill at an arbitrary instant of
 that follows, whatever the worker is doing then (a step, a save, an evaluation, a recovery).
 
 A trace file has one event per line, ``SECONDS RANK [RANK ...]``: at SECONDS after the tool
-starts, SIGKILL those ranks. Blank lines and ``#`` comments are ignored.
+starts (with --after-iteration: after rank 0 works past iteration N, and D ms more), SIGKILL
+those ranks: failures at wall-clock instants, whatever the job is doing then. Blank lines and
+``#`` comments are ignored.
 
 --store defaults to $CHAMELEON_STORE. Bad input (a bad address, an unknown rank or node, a bad
 trace line, a rank on another host) prints one line on stderr and exits 2; a worker that is no
@@ -221,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--trace", metavar="FILE", help="lines 'SECONDS RANK...' of timed kills")
     p.add_argument("--after-iteration", type=int, metavar="N", default=None,
                    help="with --kill/--stop/--node: wait until the worker (the node's first) "
-                        "works past iteration N")
+                        "works past iteration N; with --trace: its times count from when rank "
+                        "0 does")
     p.add_argument("--delay-ms", type=float, metavar="D", default=0.0,
                    help="with --after-iteration: then wait D more milliseconds")
     p.add_argument("--wait", type=float, metavar="SECONDS", default=600.0,
@@ -257,8 +261,6 @@ def run(a: argparse.Namespace) -> int:
         v = getattr(a, name)
         if v is not None and v < 0:
             raise InputError(f"--{name} {v}: must be >= 0")
-    if a.after_iteration is not None and a.trace is not None:
-        raise InputError("--after-iteration goes with --kill, --stop, --term or --node")
     if a.after_iteration is not None and a.after_iteration < 0:
         raise InputError(f"--after-iteration {a.after_iteration}: must be >= 0")
     if not a.delay_ms >= 0 or a.delay_ms == float("inf"):
@@ -303,6 +305,10 @@ def run(a: argparse.Namespace) -> int:
     for _, ranks in events:
         for r in ranks:
             worker(store, r, world)
+    if a.after_iteration is not None:   # the trace's clock starts at rank 0's iteration
+        if not after_iteration(0):
+            return 1
+        t_start = time.monotonic()
     status = 0
     for t, ranks in events:
         delay = t - (time.monotonic() - t_start)

@@ -559,22 +559,24 @@ class Prediction:
 
 
 def predict(plan: ExecutionPlan, schedule: Schedule, profile: Profile,
-            costs: ProfileCosts | None = None, validate: bool = True) -> Prediction:
+            costs: ProfileCosts | None = None, validate: bool = True,
+            start: dict[int, float] | None = None) -> Prediction:
     """Iteration time and per-rank memory of running `schedule` on `plan` (validate=False:
-    a schedule correct by construction, not checked again). A rank sharing cores is slowed by
-    how many ranks compute while it does, per core (Profile.concurrent_load): a fixed point,
-    found by simulating again with the sharing the last simulated timeline implies."""
+    a schedule correct by construction, not checked again; `start`: simulator.simulate's, each
+    rank's work before its first op). A rank sharing cores is slowed by how many ranks compute
+    while it does, per core (Profile.concurrent_load): a fixed point, found by simulating
+    again with the sharing the last simulated timeline implies."""
     if costs is None:
         costs = ProfileCosts(plan, profile)
     shared = profile.cores > 0
-    res = simulate(plan, schedule, costs, timeline=shared, validate=validate)
+    res = simulate(plan, schedule, costs, timeline=shared, validate=validate, start=start)
     if shared:
         for _ in range(SHARING_ROUNDS):
             load = profile.concurrent_load(plan.ranks, res.timeline)
             if all(abs(load[r] - costs.load[r]) < 1e-4 * load[r] for r in load):
                 break
             costs = ProfileCosts(plan, profile, load=load)
-            res = simulate(plan, schedule, costs, timeline=True, validate=False)
+            res = simulate(plan, schedule, costs, timeline=True, validate=False, start=start)
     return Prediction(with_overhead(res.iteration_time, overhead_ms(profile, costs.load)),
                       _memory(plan, res, profile, plan.tensor_parallel), res.bubble_fraction,
                       dict(costs.load))
@@ -684,9 +686,11 @@ def _schedule_of(layout: str) -> Schedule:
     return choose_schedule(ExecutionPlan.from_json(layout), fuse=False, checked=False)
 
 
-def predict_plan(plan: ExecutionPlan, profile: Profile) -> Prediction:
-    """predict(plan, planned_schedule(plan), profile), from the fewest pipelines that determine
-    it. Pipelines meet only in the gradient reduction, a collective that waits for all of its
+def predict_plan(plan: ExecutionPlan, profile: Profile,
+                 start: dict[int, float] | None = None) -> Prediction:
+    """predict(plan, planned_schedule(plan), profile, start=start), from the fewest pipelines
+    that determine it (`start` the same for every rank of a kind, as eager redundancy's
+    refresh is: it depends on the rank's stage alone). Pipelines meet only in the gradient reduction, a collective that waits for all of its
     members; a pipeline that neither reroutes nor hosts rerouted work is scheduled and runs
     exactly like every other such pipeline with the same stages, micro-batch count and rank
     speeds. Likewise the tensor-parallel shards of a stage, each of which only talks to the
@@ -701,12 +705,13 @@ def predict_plan(plan: ExecutionPlan, profile: Profile) -> Prediction:
     chain. Ranks sharing cores slow each other across pipelines, so with `cores` the whole plan
     is simulated."""
     if profile.cores > 0:
-        return predict(plan, planned_schedule(plan), profile, validate=False)
+        return predict(plan, planned_schedule(plan), profile, validate=False, start=start)
     part, twin = _representatives(plan, profile)
     if not twin:
-        return predict(plan, planned_schedule(plan), profile, validate=False)
+        return predict(plan, planned_schedule(plan), profile, validate=False, start=start)
     costs = ProfileCosts(part, profile, part_of=plan)
-    res = simulate(part, planned_schedule(part), costs, timeline=False, validate=False)
+    res = simulate(part, planned_schedule(part), costs, timeline=False, validate=False,
+                   start=start)
     memory = _memory(part, res, profile, plan.tensor_parallel, whole=plan)
     memory.update((r, memory[q]) for r, q in twin.items())
     # The bubble fraction is 1 - forward/backward busy time / (ranks x the end of the last

@@ -499,20 +499,22 @@ def _after(r: int, ops: list[Op], k: int | None, i: int, kind: OpKind, mb: int, 
 
 # ---- discrete-event run ------------------------------------------------------------------------
 def simulate(plan: ExecutionPlan, schedule: Schedule, costs: CostModel, *, validate: bool = True,
-             timeline: bool = True) -> SimResult:
+             timeline: bool = True, start: dict[int, float] | None = None) -> SimResult:
     """Time one iteration of `schedule` on `plan` under `costs` (see the module docstring).
 
     validate=False skips check() (for a planner re-timing a schedule it has already checked);
-    timeline=False skips recording per-op start/end times (SimResult.timeline is then empty).
+    timeline=False skips recording per-op start/end times (SimResult.timeline is then empty);
+    `start`: when a rank may begin its first op (work of its own before the schedule, such as
+    eager redundancy's refresh; absent ranks: at 0), the iteration still counted from 0.
     Raises ScheduleError on an invalid schedule or a deadlock."""
     with _gc_paused():
         if validate:
             _check(plan, schedule)
-        return _simulate(plan, schedule, costs, timeline)
+        return _simulate(plan, schedule, costs, timeline, start or {})
 
 
 def _simulate(plan: ExecutionPlan, schedule: Schedule, costs: CostModel,
-              timeline: bool) -> SimResult:
+              timeline: bool, start: dict[int, float]) -> SimResult:
     all_ops = schedule.ops
     ranks = sorted(all_ops)
     group_of = _replica_groups(plan)
@@ -521,7 +523,7 @@ def _simulate(plan: ExecutionPlan, schedule: Schedule, costs: CostModel,
     reduce_cost = costs.reduce
 
     pc = dict.fromkeys(ranks, 0)
-    clock = dict.fromkeys(ranks, 0.0)
+    clock = {r: start.get(r, 0.0) for r in ranks}
     busy = dict.fromkeys(ranks, 0.0)
     inflight = dict.fromkeys(ranks, 0)
     peak = dict.fromkeys(ranks, 0)

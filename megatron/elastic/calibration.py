@@ -251,10 +251,11 @@ def calibrate(plan: ExecutionPlan, schedule: Schedule, samples: list[StageSample
     refresh = [s.op_ms[SHADOW_SYNC] for s in samples if SHADOW_SYNC in s.op_ms]
     if refresh:  # eager redundancy's refresh: its own cost, not an overhead of every plan
         synced = max(refresh)
-        modelled = eager_cost(plan, fitted).sync_ms
+        modelled = eager_cost(plan, fitted).refresh_ms
         if modelled > 0:
             fitted = dataclasses.replace(fitted, shadow_sync_factor=synced / modelled)
-        measured -= synced
+        # what the refresh adds to the iteration, as predictions with shadows charge it
+        measured -= eager_cost(plan, fitted).sync_ms if modelled > 0 else synced
     # Negative when the simulation overshoots the plan it was fitted under: the same bias,
     # taken off every plan's prediction (in a core's time where ranks share cores).
     unit = overhead_ms(dataclasses.replace(fitted, iteration_overhead_ms=1.0), sim.sharing)

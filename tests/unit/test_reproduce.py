@@ -242,22 +242,69 @@ def test_a_planned_move_charges_only_the_state_a_gpu_lacks():
 
 
 def test_the_work_a_restart_lost_stays_lost_when_an_event_comes_during_its_redo():
-    """Megatron's restart at 0.45 h loses every iteration since the checkpoint (at 0); the GPU
-    is back at 0.5 h, while the job is still relaunching. The rejoin moves the job, but the
-    lost iterations are still to train again: the job ends at most at the failure-free count
-    less them. (Charged as a wait that the rejoin cut short, they were given back: the job
-    ended 0.45 h of work ahead of that bound.)"""
+    """A restart at 0.45 h loses every iteration since the checkpoint (at 0); the GPU is back
+    at 0.5 h, while the job still trains them again. The rejoin moves the job, but the lost
+    iterations are still to train again: the job ends at most at the failure-free count less
+    them. (Charged as a wait that the rejoin cut short, they were given back: the job ended
+    0.45 h of work ahead of that bound.)"""
     s = cluster.setup(TRACE_MODEL)
-    megatron = next(p for p in simulate.POLICIES if p.name == "megatron")
+    restart = simulate.Policy("restart", "restart only", ("restart",))
     gpu = s.plan.pipelines[0].stages[1].ranks[0]
-    trace = traces.Trace("a loss, back during the relaunch", 1.0, 1.0, 0.05,
+    trace = traces.Trace("a loss, back during the redo", 1.0, 1.0, 0.05,
                          (traces.Event(0.45, "fail", gpu), traces.Event(0.5, "rejoin", gpu)))
-    out = simulate.simulate(s, megatron, trace, simulate.Costs(30, 5))
+    out = simulate.simulate(s, restart, trace, simulate.Costs(30, 5))
     failure_free = 3.6e6 / s.iteration_ms
     lost = int(0.45 * failure_free) + 1        # the interrupted iteration included
     assert lost < round(30 * 6e4 / s.iteration_ms)   # no checkpoint written yet
     assert out.recoveries == {"restart": 1} and out.replans == 1
     assert out.iterations <= failure_free - lost
+
+
+def test_megatron_takes_a_gpu_back_at_its_next_relaunch_not_before():
+    """Megatron loses GPU a at 0.2 h and relaunches onto the others; a is back at 0.3 h and
+    the job runs on without it (a running Megatron job cannot grow: no move, no relaunch
+    paid); b is lost at 0.6 h and that relaunch plans over every GPU up, a included, as the
+    executed traces' Megatron does."""
+    s = cluster.setup(TRACE_MODEL)
+    megatron = next(p for p in simulate.POLICIES if p.name == "megatron")
+    a, b = s.plan.pipelines[0].stages[1].ranks[0], s.plan.pipelines[1].stages[0].ranks[0]
+    job = simulate._Job(s, megatron, traces.Trace("two losses", 1.0, 1.0, 0.1, ()),
+                        simulate.Costs(30, 5))
+    job.advance(0.2 * 3.6e6)
+    job.fail(a)
+    assert a not in job.gpus
+    after_a = (list(job.gpus), job.resume)
+    job.advance(0.3 * 3.6e6)
+    job.rejoin(a)
+    assert (job.gpus, job.resume) == after_a and job.out.replans == 0
+    job.advance(0.6 * 3.6e6)
+    job.fail(b)
+    assert a in job.gpus and b not in job.gpus
+    assert job.out.recoveries == {"restart": 2}
+    assert job.resume - 0.6 * 3.6e6 >= 5 * 6e4       # the relaunch paid again
+
+
+@pytest.mark.parametrize("policy", ["recycle", "megatron"])
+def test_the_time_to_train_a_set_number_of_iterations_is_where_the_throughput_reaches_it(
+        policy):
+    """An executed job trains a set number of iterations, however long it takes: the
+    prediction is the time the simulated job takes to train them. Without events, exactly
+    the failure-free time; under a loss (and with Megatron, the work since the checkpoint
+    trained again), later, and the simulated span of that length trains exactly that many
+    (the events after the failure-free span included)."""
+    s = cluster.setup(TRACE_MODEL)
+    p = next(q for q in simulate.POLICIES if q.name == policy)
+    costs = simulate.Costs(30, 5)
+    n = 3.6e6 / s.iteration_ms                 # a failure-free hour
+    none = traces.Trace("none", 1.0, 1.0, 1.0, ())
+    assert simulate.hours_to_train(s, p, none, costs, n) == pytest.approx(1.0)
+    gpu = s.plan.pipelines[0].stages[1].ranks[0]
+    trace = traces.Trace("a loss", 1.0, 1.0, 0.1,
+                         (traces.Event(0.5, "fail", gpu), traces.Event(0.6, "rejoin", gpu)))
+    took = simulate.hours_to_train(s, p, trace, costs, n)
+    assert took > 1.0
+    out = simulate.simulate(s, p, dataclasses.replace(trace, span_h=took), costs)
+    assert out.iterations == pytest.approx(n)
 
 
 def test_a_loss_is_filled_from_the_gpus_the_plan_left_out():

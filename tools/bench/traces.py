@@ -1,14 +1,16 @@
 """Failure traces executed by real jobs on emulated devices, every policy side by side.
 
-One failure-free run and one job per policy and trace (tools/reproduce/executed.py: kills at
-set iterations, each killed slot started again `--repair` iterations later; the trace's
-interval between failures stands for an hour, and a checkpoint every 30 minutes, a 5-minute
-relaunch and the checkpoint storage are compressed with it). Prints each run's measured
-average throughput (samples per second of wall time, transitions included) beside the
-simulator's prediction for the same trace, the spread over repeats ((largest - smallest) /
-mean), the host seconds of its in-process transitions (detection to resume, real here, not
-compressed), and auto / each policy, measured and predicted, beside the paper's 1.229
-(Oobleck) and 1.355 (ReCycle).
+One failure-free run and one job per policy and trace (tools/reproduce/executed.py: SIGKILLs
+from outside at wall-clock instants, the middle of set iterations on the failure-free clock,
+each killed slot started again `--repair` iterations later; the trace's interval between
+failures stands for an hour, and a checkpoint every 30 minutes, a 5-minute relaunch and the
+checkpoint storage are compressed with it). Prints each run's measured average throughput
+(samples per second of wall time, transitions included) beside the simulator's prediction
+for the same trace (the time it takes to train the run's iterations, its host costs
+calibrated from the runs: a recovery's rebuild, Megatron's relaunch), the spread over
+repeats ((largest - smallest) / mean), the host seconds of its in-process transitions
+(detection to resume, real here, not compressed), and auto / each policy, measured and
+predicted, beside the paper's 1.229 (Oobleck) and 1.355 (ReCycle).
 
     python tools/bench/traces.py [--ranks 8] [--iters 48] [--every 12] [--poisson 12]
         [--repair 12] [--dilation 33] [--profile PROFILE.json] [--repeats 1]

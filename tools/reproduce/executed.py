@@ -4,11 +4,14 @@ the end of iteration 1 (a warm-up every policy shares) to the end of the last.
 
 Each rank emulates a dedicated device of a profile (--chameleon-emulate, `dilation` times
 slower), so losing a rank costs what it would on the profile's devices, not less. A trace
-names, by iteration, which launch rank is killed (in the backward) and how many iterations of
-failure-free time later its slot is back (chameleon-launch --max-restarts with --restart-delay;
-the new worker is started ahead, --start-ahead, and asks to join when the repair time is up, at
-the next iteration boundary). A rank is killed at most
-once: its replacement has a new rank. No stage loses all its replicas at once.
+names which launch rank is lost when, and how many iterations of failure-free time later its
+slot is back (chameleon-launch --max-restarts with --restart-delay; the new worker is started
+ahead, --start-ahead, and asks to join when the repair time is up, at the next iteration
+boundary). A loss "at iteration i" is a SIGKILL from outside (tools/inject_failure.py --trace)
+at a wall-clock instant: the middle of iteration i on the failure-free clock, counted from the
+end of iteration 1, whatever the job does then (a step, a recovery, a save, a relaunch), as
+the simulator places it; a slower policy meets the same losses at the same moments. A rank is
+killed at most once. No stage loses all its replicas at once.
 
 A trace compresses time: its interval between failures stands for an hour of training. The
 same compression applies to the costs a real job has in minutes: a checkpoint every 30 minutes
@@ -27,6 +30,7 @@ waits for the next relaunch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import random
@@ -42,7 +46,7 @@ from chameleon_ext.planning.perf_model import ModelShape, Profile, analytical_pr
 from chameleon_ext.planning.planner import replan
 from chameleon_ext.planning.strategies.base import balanced_layers, with_layers
 from megatron.elastic.emulation import STORAGE_MIB_PER_S, emulated_profile
-from tests.launch import SMALL_MODEL, last_losses, run_chameleon
+from tests.launch import SMALL_MODEL, TimedKills, free_port, last_losses, run_chameleon
 from tools.reproduce import simulate, traces
 from tools.reproduce.cluster import Setup
 
@@ -83,8 +87,12 @@ class TraceError(RuntimeError):
 
 @dataclass(frozen=True)
 class Kill:
-    iteration: int                     # killed in the backward of this iteration
+    iteration: int                     # killed in the middle of this iteration's failure-free time
     rank: int                          # a launch rank of the failure-free job
+
+    def after_s(self, iteration_ms: float) -> float:
+        """Its instant: seconds after the end of iteration 1 at `iteration_ms` an iteration."""
+        return (self.iteration - 1.5) * iteration_ms / 1e3
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,12 @@ class Measured:
     # Host time of the in-process transitions (recoveries and rejoins: from the first notice to
     # the new world's start), real here and not compressed with the trace.
     transition_s: float = 0.0
+    # Each in-process recovery's host time, first notice to the new world's start (ms).
+    recovery_ms: list[float] = field(default_factory=list)
+    # Megatron: each relaunch's wall seconds, from the kill to the end of the next launch's
+    # first iteration less one of its iterations (detection, the relaunch, process start-up,
+    # the checkpoint read, the first iteration's warm-up).
+    relaunch_s: list[float] = field(default_factory=list)
 
 
 def _args(c: Config, iterations: int, checkpoints: Path, plan_file: Path) -> list[str]:
@@ -236,12 +250,6 @@ def _plan_file(c: Config, workdir: Path) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     c.plan.save(path)
     return path
-
-
-def _inject(kill: Kill, rank: int | None = None) -> list[str]:
-    return ["--chameleon-inject",
-            f"kill:rank={kill.rank if rank is None else rank},iter={kill.iteration},"
-            "phase=backward"]
 
 
 def _measure(policy: str, trace: str, events: list[dict], iterations: int, c: Config,
@@ -264,6 +272,7 @@ def _measure(policy: str, trace: str, events: list[dict], iterations: int, c: Co
     m.rejoins = sum(e["event"] == "rejoin" for e in events)
     m.transition_s = sum(e["reconfigure_ms"] for e in events
                          if e["event"] in ("recovery", "rejoin")) / 1e3
+    m.recovery_ms = [e["reconfigure_ms"] for e in events if e["event"] == "recovery"]
     m.median_iteration_ms = statistics.median(e["elapsed_ms"] for e in its)
     return m
 
@@ -292,17 +301,20 @@ def run_policy(policy: str, trace: ExecutedTrace, c: Config, ff: Measured,
         "--max-restarts", str(len(trace.kills)),
         "--restart-delay", f"{trace.repair * ff.median_iteration_ms / 1e3:.3f}",
         "--start-ahead", f"{START_AHEAD_S:g}"]
-    launched = time.time()
+    launched, port = time.time(), free_port()
+    kills = TimedKills(port, workdir / f"{name}-kills.txt",
+                       [(k.after_s(ff.median_iteration_ms), k.rank) for k in trace.kills],
+                       after=1).start()
     with tempfile.TemporaryDirectory(prefix="traces-ckpt-") as ckpt:
         run = run_chameleon(
             c.ranks, _args(c, trace.iterations, Path(ckpt), _plan_file(c, workdir))
             + CHAMELEON_FLAGS[policy]
-            + [a for k in trace.kills for a in _inject(k)]
             # the planner's horizon: the trace's interval, in this machine's (dilated) hours
             + ["--chameleon-mtbf", f"{trace.interval * ff.median_iteration_ms / 3.6e6:.6g}"],
-            workdir, name=name,
+            workdir, name=name, port=port,
             timeout=_timeout(c, trace.iterations, len(trace.kills)),
             launcher_args=LAUNCHER + ["--max-failures", str(len(trace.kills))] + repair)
+    kills.join()
     if run.returncode != 0:
         raise TraceError(f"{policy} on {trace.name} exited with {run.returncode}: "
                          f"{_last_line(run.stderr)}")
@@ -323,9 +335,17 @@ def _relaunched(trace: ExecutedTrace, c: Config, ff: Measured, workdir: Path, na
     back_at: dict[int, float] = {}     # a killed GPU -> wall time it is up again
     repair_s = math.inf if trace.repair is None else trace.repair * ff.median_iteration_ms / 1e3
     pending = list(trace.kills)
+    anchor: float | None = None        # the end of iteration 1: the kills' clock starts there
     launched, relaunches = time.time(), 0
+    gaps: list[float] = []             # each relaunch, kill to the next first iteration
+    killed_at = 0.0
     for segment in range(len(trace.kills) + 1):
         now = time.time()
+        # losses that came while no job ran on them (a relaunch, a GPU left idle)
+        while anchor is not None and pending and \
+                anchor + pending[0].after_s(ff.median_iteration_ms) <= now:
+            k = pending.pop(0)
+            back_at[k.rank] = anchor + k.after_s(ff.median_iteration_ms) + repair_s
         down = {g for g, t in back_at.items() if t > now}
         plan, gpus = c.plan, list(range(c.ranks))
         if down:
@@ -333,34 +353,54 @@ def _relaunched(trace: ExecutedTrace, c: Config, ff: Measured, workdir: Path, na
             if plan is None:
                 raise TraceError(f"{name}: no plan over the GPUs up")
             gpus = c.plan.survivors(down, plan.world_size)
-        # kills of GPUs this plan leaves idle change nothing but their availability
-        while pending and pending[0].rank not in gpus:
-            back_at[pending.pop(0).rank] = now + repair_s
         plan_file = _plan_file(c, workdir)
         if plan is not c.plan:
             plan_file = workdir / f"{name}-plan-{segment}.json"
             plan.save(plan_file)
         args = _args(c, trace.iterations, ckpt, plan_file) + \
             (["--load", str(ckpt)] if segment else [])
-        if pending:
-            args += _inject(pending[0], gpus.index(pending[0].rank))
-        seg = f"{name}-{segment}"
-        run = run_chameleon(plan.world_size, args, workdir, name=seg,
+        # The next loss of a GPU this job runs on ends it (--max-failures 0); an idle GPU's
+        # loss changes only when it is up again.
+        hit = next((k for k in pending if k.rank in gpus), None)
+        seg, port = f"{name}-{segment}", free_port()
+        kills = None
+        if hit is not None:
+            at = hit.after_s(ff.median_iteration_ms)
+            kills = TimedKills(port, workdir / f"{seg}-kills.txt",
+                               [(at if anchor is None else anchor + at, gpus.index(hit.rank))],
+                               after=1 if anchor is None else None).start()
+        run = run_chameleon(plan.world_size, args, workdir, name=seg, port=port,
                             timeout=_timeout(c, trace.iterations),
                             launcher_args=LAUNCHER + ["--max-failures", "0"])
+        if kills is not None:
+            kills.join()
+        its = [e for e in run.metrics if e["event"] == "iteration"]
+        if len(its) > 1 and relaunches:
+            pace_s = statistics.median(e["elapsed_ms"] for e in its[1:]) / 1e3
+            gaps.append(its[0]["time"] - pace_s - killed_at)
         metrics += run.metrics
-        if run.returncode == 0 and not pending:
+        if anchor is None:
+            if not its:
+                raise TraceError(f"{name}: segment {seg} trained no iteration: "
+                                 f"{_last_line(run.stderr)}")
+            anchor = its[0]["time"]
+        if run.returncode == 0:
             break
-        if not pending or run.returncode == 0:
-            raise TraceError(f"{name}: segment {seg} exited with {run.returncode}, "
-                             f"{len(pending)} kill(s) left: {_last_line(run.stderr)}")
-        back_at[pending.pop(0).rank] = time.time() + repair_s
+        if hit is None or kills.returncode != 0 or not kills.signalled_at:
+            raise TraceError(f"{name}: segment {seg} exited with {run.returncode} without "
+                             f"its kill: {_last_line(run.stderr)}")
+        pending.remove(hit)
+        killed_at = kills.signalled_at[0]
+        back_at[hit.rank] = killed_at + repair_s
         relaunches += 1
         # Megatron's relaunch takes RELAUNCH_S (compressed); the next launch's own start-up
         # here is part of it, so only what the failure-free run's start-up leaves is slept.
         time.sleep(max(0.0, c.relaunch_wall_s - ff.startup_s))
+    else:
+        raise TraceError(f"{name}: still training after {len(trace.kills) + 1} launches")
     m = _measure(MEGATRON, trace.name, metrics, trace.iterations, c, launched)
     m.recoveries = Counter({"relaunch": relaunches})
+    m.relaunch_s = gaps
     return m
 
 
@@ -377,27 +417,28 @@ def _last_line(text: str) -> str:
 
 # ---- predictions -------------------------------------------------------------------------------
 def predicted_samples_per_s(trace: ExecutedTrace, c: Config, policy: simulate.Policy,
-                            ff: Measured) -> float:
-    """What tools/reproduce/simulate predicts for the trace with the emulated device: the
-    kills at their iterations' failure-free times, relaunches as long as here; counted, as
-    measured, from the end of iteration 1."""
-    device = c.device
+                            iteration_ms: float, device: Profile, relaunch_s: float) -> float:
+    """What tools/reproduce/simulate predicts for the trace on `device` (the emulated one,
+    its host costs calibrated: Comparison.device): the kills and rejoins at their instants
+    (`iteration_ms`: the failure-free iteration they were placed by, measured), a relaunch of
+    `relaunch_s` (Comparison.relaunch_s); counted, as measured, from the end of iteration 1 to
+    the end of the last, however long the job takes to train them."""
     ms = predict_plan(c.plan, device).iteration_ms
-    hours = ms / 3.6e6
     events = []
     for k in trace.kills:
-        events.append(traces.Event((k.iteration - 1.5) * hours, "fail", k.rank))
+        at = k.after_s(iteration_ms) / 3600
+        events.append(traces.Event(at, "fail", k.rank))
         if trace.repair is not None:
-            events.append(traces.Event((k.iteration - 1.5 + trace.repair) * hours, "rejoin",
+            events.append(traces.Event(at + trace.repair * iteration_ms / 3.6e6, "rejoin",
                                        k.rank))
-    span = (trace.iterations - 1) * hours
-    t = traces.Trace(trace.name, span, trace.interval * hours,
+    hours = ms / 3.6e6
+    t = traces.Trace(trace.name, (trace.iterations - 1) * hours, trace.interval * hours,
                      math.inf if trace.repair is None else trace.repair * hours,
-                     tuple(sorted((e for e in events if e.hour < span), key=lambda e: e.hour)))
+                     tuple(sorted(events, key=lambda e: (e.hour, e.kind == "fail"))))
     setup = Setup("executed", 1, device, c.plan, c.plan, ms)
-    relaunch_s = max(c.relaunch_wall_s, ff.startup_s)
     costs = simulate.Costs(c.save_interval * ms / 6e4, relaunch_s / 60)
-    return simulate.simulate(setup, policy, t, costs).samples_per_s(c.global_batch)
+    took = simulate.hours_to_train(setup, policy, t, costs, trace.iterations - 1)
+    return (trace.iterations - 1) * c.global_batch / (took * 3600)
 
 
 # ---- a comparison -------------------------------------------------------------------------------
@@ -420,6 +461,24 @@ class Comparison:
     @property
     def failure_free_samples_per_s(self) -> float:
         return statistics.fmean(m.samples_per_s for m in self.failure_free)
+
+    def device(self, trace: str, policy: str) -> Profile:
+        """The emulated device with the host costs the simulator cannot know calibrated from
+        the policy's runs of `trace`: a recovery's rebuild (detection to the new world: gloo
+        groups, the runtime, state moved; real here, not emulated) is their median."""
+        took = [ms for m in self.runs.get((trace, policy), []) for ms in m.recovery_ms]
+        device = self.config.device
+        return dataclasses.replace(device, rebuild_ms=statistics.median(took)) if took \
+            else device
+
+    def relaunch_s(self, trace: str) -> float:
+        """Megatron's relaunch on `trace`, mean over its relaunches here, less the detection
+        and the rebuild that the simulator charges beside it (wall seconds; the compressed
+        relaunch when none was measured)."""
+        gaps = [g for m in self.runs.get((trace, MEGATRON), []) for g in m.relaunch_s]
+        d = self.config.device
+        return max(0.0, statistics.fmean(gaps) - (d.detect_ms + d.rebuild_ms) / 1e3) if gaps \
+            else self.config.relaunch_wall_s
 
     def spread(self, trace: str, policy: str) -> float:
         """(largest - smallest) / mean of the repeats' samples per second; 0 with one."""
@@ -460,8 +519,9 @@ def compare(c: Config, trs: list[ExecutedTrace], policies: list[simulate.Policy]
                 out.runs.setdefault((t.name, p.name), []).append(m)
                 if on_run:
                     on_run(f"{p.name}, {t.name}")
-    ff = out.failure_free[0]
     for t in trs:
         for p in policies:
-            out.predicted[t.name, p.name] = predicted_samples_per_s(t, c, p, ff)
+            out.predicted[t.name, p.name] = predicted_samples_per_s(
+                t, c, p, statistics.fmean(m.median_iteration_ms for m in out.failure_free),
+                out.device(t.name, p.name), out.relaunch_s(t.name) if p.relaunch else 0.0)
     return out

@@ -26,13 +26,18 @@ a later event could cut short).
 - A rejoin: with every GPU back, the failure-free plan; otherwise the policy's best plan over
   the GPUs up (planned from the failure-free plan with the rest lost, as strategies.rejoin
   hands them to the planner), taken when it costs less than the current plan over the window
-  until the next failure, its move paid first (planner.rejoin_choice's "now" against "stay"). A planned move loses no work: the rebuild
-  plus the state the GPUs lack, sent by their peers (or, for a relaunch, read from a
-  checkpoint).
+  until the next failure, its move paid first (planner.rejoin_choice's "now" against "stay").
+  A planned move loses no work: the rebuild plus the state the GPUs lack, sent by their peers.
+- Under a relaunching policy (Megatron's checkpoint-restart) a GPU back waits for the next
+  failure's relaunch, which plans over every GPU up then: a running Megatron job cannot grow,
+  and relaunching for the GPU would cost one relaunch more (the executed traces' Megatron
+  runs alike, tools/reproduce/executed.py). Stalled (no plan fits), the job relaunches at the
+  rejoin: the restart and the checkpoint read.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -106,6 +111,23 @@ def simulate(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
     return job.out
 
 
+def hours_to_train(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
+                   iterations: float) -> float:
+    """How long the job takes to train `iterations` under the trace, in hours (math.inf if it
+    never does): what a run that trains a set number of iterations lasts, as the executed
+    traces measure it. Events come at their hours wherever the job is by then, after the
+    trace's span too; the span is only the planner's horizon."""
+    job = _Job(setup, policy, trace, costs)
+    for event in trace.events:
+        done = job.reached(event.hour * 3.6e6, iterations)
+        if done is not None:
+            return done / 3.6e6
+        job.advance(event.hour * 3.6e6)
+        (job.fail if event.kind == "fail" else job.rejoin)(event.gpu)
+    done = job.reached(math.inf, iterations)
+    return math.inf if done is None else done / 3.6e6
+
+
 def failure_free_ms(setup: Setup, policy: Policy) -> float:
     """The policy's iteration time on the failure-free plan (eager: with the shadows' upkeep)."""
     upkeep = eager_cost(setup.plan, setup.profile).sync_ms if policy.eager else 0.0
@@ -139,6 +161,20 @@ class _Job:
             self.out.transition_h += max(0.0, min(to, self.resume) - self.t) / 3.6e6
         self.t = to
 
+    def reached(self, to: float, iterations: float) -> float | None:
+        """The moment, no later than `to`, at which the job has trained `iterations` (its
+        planned switches before `to` taken as they come); None if it has not by then."""
+        while True:
+            at = self.switch[0] if self.switch is not None and self.switch[0] <= to else to
+            if self.plan is not None:
+                done = max(self.t, self.resume) + \
+                    (iterations - self.out.iterations) * self.iteration_ms
+                if done <= at:
+                    return max(self.t, done)
+            if at == to:
+                return None
+            self.switch_until(at)
+
     def switch_until(self, to: float) -> None:
         if self.switch is not None and self.switch[0] <= to:
             at, sw = self.switch
@@ -169,7 +205,13 @@ class _Job:
         self.failed_at.append(self.t)
         if self.plan is None or gpu not in self.gpus:
             return
-        lost = {self.gpus.index(gpu)}
+        if self.policy.relaunch:
+            # The relaunch plans over every GPU up, those back since the last one included:
+            # from the failure-free plan (its rank r is GPU r), the others lost.
+            self.plan, self.gpus = self.setup.plan, list(range(self.world))
+            lost = set(range(self.world)) - self.up
+        else:
+            lost = {self.gpus.index(gpu)}
         if not self.plan.survivors(lost):
             self.plan, self.gpus, self.switch = None, [], None
             return
@@ -195,6 +237,8 @@ class _Job:
 
     def rejoin(self, gpu: int) -> None:
         self.up.add(gpu)
+        if self.policy.relaunch and self.plan is not None:
+            return  # a running Megatron job cannot grow: the GPU waits for the next relaunch
         down = set(range(self.world)) - self.up
         if not down:
             gpus = sorted(self.up)

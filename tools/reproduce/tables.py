@@ -411,7 +411,9 @@ def traces_table(ctx: Context) -> Section:
         "`strategies.redundancy.eager_cost`; Bamboo itself recomputes the neighbour's layers "
         "on the same micro-batches instead, which is not modelled), "
         f"**Megatron restart** (checkpoint every {o.checkpoint_min:g} min, each recovery "
-        f"relaunches the job: {o.restart_min:g} min, plus the work since the checkpoint). A "
+        f"relaunches the job over the GPUs up: {o.restart_min:g} min, plus the work since "
+        "the checkpoint; a GPU back waits for the next relaunch, as a running Megatron job "
+        "cannot grow). A "
         "policy whose strategy has no feasible plan falls back to restart (counted). The "
         "columns labelled *paper* are the paper's published averages, not computed here.",
         tables, [png],
@@ -494,7 +496,10 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
         f"{executed.DEFAULT_SHAPE.micro_batch_size}) layer per layer on an analytical H200 "
         f"(`--chameleon-emulate`, dilation "
         f"{c.dilation:g}; `tools/reproduce/executed.py`). Traces of {trs[0].iterations} "
-        f"iterations: {', '.join(t.name for t in trs)}; {repair}. One trace interval "
+        f"iterations: {', '.join(t.name for t in trs)}, each loss a SIGKILL from outside "
+        "(`tools/inject_failure.py --trace`) at a wall-clock instant, the middle of its "
+        f"iteration on the failure-free clock, whatever the job does then; {repair}. One "
+        "trace interval "
         f"({c.interval:g} iterations) stands for an hour: a checkpoint every "
         f"{c.save_interval} iterations (30 min), a Megatron relaunch of "
         f"{c.relaunch_wall_s:.1f} s of wall time (5 min) of which the real relaunch here "
@@ -503,10 +508,11 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
         "per second of wall time from the end of iteration 1 (a warm-up every policy shares) "
         "to the end of the last, transitions included; failure-free "
         f"{ff:.2f} samples/s. *predicted (model)* is tools/reproduce/simulate.py on the same "
-        "trace and emulated device: a prediction. The *paper* column is the paper's "
+        "trace and emulated device, the time it takes to train the same iterations: a "
+        "prediction, its host costs calibrated from the runs (a recovery's rebuild: the "
+        "policy's median measured; Megatron's relaunch: its mean measured, kill to the "
+        "next launch's first iteration). The *paper* column is the paper's "
         "published 32-GPU average, not computed here. " + load,
-        "Executed Megatron restarts only at failures: a GPU that is back joins at the next "
-        "relaunch (the simulated policy also relaunches at rejoins).",
         "A run whose *valid emulation* is NO had more than 1% of its ops overrun their "
         "emulated time: its timing is this host's, not the profile's (raise the dilation)."]
     return tables, notes, list(best.values())

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
-from chameleon_ext.planning.perf_model import MIB, Profile, stage_params
+from chameleon_ext.planning.perf_model import MIB, Profile, predict_plan, stage_params
 
 SHADOW_BYTES_PER_PARAM = 12     # fp32 parameter and two Adam moments: no gradient is mirrored
 
@@ -47,8 +47,9 @@ def shadow_pairs(plan: ExecutionPlan) -> list[tuple[int, int]]:
 
 @dataclass
 class EagerCost:
-    sync_ms: float          # added to every failure-free iteration: the slowest rank's refresh
+    sync_ms: float          # what the refreshes add to an iteration of the plan
     memory_bytes: int       # the largest extra memory of a rank (the shadows it holds)
+    refresh_ms: float = 0.0  # the slowest rank's refresh
 
 
 def held_bytes(plan: ExecutionPlan, shape) -> dict[int, int]:
@@ -78,8 +79,16 @@ def refresh_ms(plan: ExecutionPlan, profile: Profile) -> dict[int, float]:
 
 
 def eager_cost(plan: ExecutionPlan, profile: Profile) -> EagerCost:
-    """What keeping the shadows of `plan` costs per iteration and per rank: the slowest rank's
-    refresh (refresh_ms), scaled by the calibrated shadow_sync_factor."""
-    sync = max(refresh_ms(plan, profile).values(), default=0.0)
-    return EagerCost(sync * profile.shadow_sync_factor,
-                     max(held_bytes(plan, profile.shape).values(), default=0))
+    """What keeping the shadows of `plan` costs per iteration and per rank. Each rank refreshes
+    before its first op (refresh_ms, scaled by the calibrated shadow_sync_factor) and starts
+    its schedule then, as the executor runs it: the iteration is simulated with those starts,
+    so a rank that refreshes less (none, in a pipeline of one stage) starts at once and the
+    first waits of a pipeline absorb part of its neighbours' refresh; `sync_ms` is what that
+    adds to the plan's iteration."""
+    refresh = {r: ms * profile.shadow_sync_factor for r, ms in refresh_ms(plan, profile).items()}
+    if not refresh:
+        return EagerCost(0.0, 0)
+    added = predict_plan(plan, profile, start=refresh).iteration_ms - \
+        predict_plan(plan, profile).iteration_ms
+    return EagerCost(added, max(held_bytes(plan, profile.shape).values(), default=0),
+                     max(refresh.values()))
