@@ -255,6 +255,10 @@ class Profile:
     # measured iteration time the simulated ops do not cover (with `cores`: at a core to
     # itself; a plan's ranks slow it by their mean sharing, perf_model.overhead_ms)
     iteration_overhead_ms: float = 0.0
+    # host time around each forward or backward op that the costs above leave out (an
+    # emulated device's: the executor's own work between the ops it pads to the device's
+    # time), fitted to a measured failure-free iteration (tools/reproduce/executed.py)
+    op_overhead_ms: float = 0.0
     # eager redundancy's measured refresh over its point-to-point estimate (the wait for a
     # slower owner included)
     shadow_sync_factor: float = 1.0
@@ -464,11 +468,12 @@ class ProfileCosts:
         elif kind is OpKind.BWD_WEIGHT:
             ms = n * p.layer_bwd_weight_ms + first * p.embedding_bwd_ms
         elif kind is OpKind.OPT_STEP:
-            ms = p.optimizer_ms_per_mparam * self._stepped[rank] / 1e6
+            return p.optimizer_ms_per_mparam * self._stepped[rank] / 1e6 * self.load[rank] * \
+                self._slow.get(rank, 1.0)
         else:
             raise ValueError(f"rank {rank}, {op}: compute() is only defined for fwd, bwd, "
                              "bwd_input, bwd_weight and optimizer_step")
-        return ms * self.load[rank] * self._slow.get(rank, 1.0)
+        return (ms * self._slow.get(rank, 1.0) + p.op_overhead_ms) * self.load[rank]
 
     def p2p(self, src: int, dst: int, op: Op) -> float:
         return self._msg_ms

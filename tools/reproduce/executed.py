@@ -462,12 +462,34 @@ class Comparison:
     def failure_free_samples_per_s(self) -> float:
         return statistics.fmean(m.samples_per_s for m in self.failure_free)
 
+    @functools.cached_property
+    def op_overhead_ms(self) -> float:
+        """The host time per forward or backward op that makes the failure-free plan's
+        predicted iteration the measured one (the emulation pads each op to the device's time,
+        not the executor's own work between ops); 0 when the prediction is not below it."""
+        c = self.config
+        target = statistics.fmean(m.median_iteration_ms for m in self.failure_free)
+
+        def predicted(h: float) -> float:
+            return predict_plan(c.plan, dataclasses.replace(c.device, op_overhead_ms=h)
+                                ).iteration_ms
+
+        # Every op on the critical path adds h, so h = the shortfall overshoots: bisect below.
+        lo, hi = 0.0, target - predicted(0.0)
+        if hi <= 0:
+            return 0.0
+        for _ in range(40):     # the shortfall / 2^40: far below a microsecond
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
+        return hi
+
     def device(self, trace: str, policy: str) -> Profile:
         """The emulated device with the host costs the simulator cannot know calibrated from
-        the policy's runs of `trace`: a recovery's rebuild (detection to the new world: gloo
-        groups, the runtime, state moved; real here, not emulated) is their median."""
+        the runs: each op's host time (op_overhead_ms, from the failure-free runs), and a
+        recovery's rebuild (detection to the new world: gloo groups, the runtime, state moved;
+        real here, not emulated), the median of the policy's recoveries on `trace`."""
         took = [ms for m in self.runs.get((trace, policy), []) for ms in m.recovery_ms]
-        device = self.config.device
+        device = dataclasses.replace(self.config.device, op_overhead_ms=self.op_overhead_ms)
         return dataclasses.replace(device, rebuild_ms=statistics.median(took)) if took \
             else device
 
@@ -491,9 +513,11 @@ class Comparison:
 
     @property
     def predicted_failure_free(self) -> float:
-        """The simulator's failure-free throughput of the emulated job, samples/s."""
+        """The simulator's failure-free throughput of the emulated job, samples/s (its op
+        overhead calibrated to the measured one: equal to it but for rounding)."""
         c = self.config
-        return c.global_batch / predict_plan(c.plan, c.device).iteration_ms * 1e3
+        device = dataclasses.replace(c.device, op_overhead_ms=self.op_overhead_ms)
+        return c.global_batch / predict_plan(c.plan, device).iteration_ms * 1e3
 
     def predicted_ratio(self, trace: str, policy: str) -> float:
         return self.predicted[trace, "auto"] / self.predicted[trace, policy]
