@@ -290,6 +290,15 @@ def run_injector(store: str, args: list[str], write_trace: Callable[[], None] | 
     (re)writes a --trace file just before each try; `timeout_s` bounds one try."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
+        # The store first, probed here: each try of the tool is a Python start-up that takes
+        # a core from the job starting beside it.
+        if not store.startswith("etcd://"):
+            host, port = store.rsplit(":", 1)
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+            except OSError:
+                time.sleep(0.2)
+                continue
         if write_trace:
             write_trace()
         try:

@@ -301,14 +301,15 @@ def run(a: argparse.Namespace) -> int:
             return 1
         return 0 if kill_node(store, a.node, node, infos) else 1
 
-    # --trace: check every rank first, then play the events.
-    for _, ranks in events:
-        for r in ranks:
-            worker(store, r, world)
-    if a.after_iteration is not None:   # the trace's clock starts at rank 0's iteration
+    # --trace: check every rank first (with --after-iteration, once rank 0 works past it: the
+    # trace's clock starts then, and every worker has long registered), then play the events.
+    if a.after_iteration is not None:
         if not after_iteration(0):
             return 1
         t_start = time.monotonic()
+    for _, ranks in events:
+        for r in ranks:
+            worker(store, r, world)
     status = 0
     for t, ranks in events:
         delay = t - (time.monotonic() - t_start)
