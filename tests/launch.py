@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -314,8 +314,20 @@ def run_injector(store: str, args: list[str], write_trace: Callable[[], None] | 
     return None
 
 
+class _BesideJob:
+    """The tool run in a thread beside a job: `start` it before the job, `join` after."""
+
+    def start(self):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float = 60) -> None:
+        self._thread.join(timeout)
+
+
 @dataclass
-class TimedKills:
+class TimedKills(_BesideJob):
     """tools/inject_failure.py --trace run beside a job on `port`: SIGKILLs of launch ranks
     at wall-clock instants, whatever the job does then. `after`: the instants are seconds from
     when rank 0 works past that iteration; None: they are epoch times (time.time())."""
@@ -326,12 +338,6 @@ class TimedKills:
     after: int | None = None
     returncode: int | None = None
     stdout: str = ""
-    _thread: threading.Thread | None = field(default=None, repr=False)
-
-    def start(self) -> "TimedKills":
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
 
     def _write(self) -> None:
         now = time.time()
@@ -349,9 +355,6 @@ class TimedKills:
         if out is not None:
             self.returncode, self.stdout = out.returncode, out.stdout
 
-    def join(self, timeout: float = 60) -> None:
-        self._thread.join(timeout)
-
     @property
     def signalled_at(self) -> list[float]:
         """The wall time of each kill sent, from the tool's log lines."""
@@ -360,7 +363,7 @@ class TimedKills:
 
 
 @dataclass
-class LateKill:
+class LateKill(_BesideJob):
     """tools/inject_failure.py run beside a job: it signals `rank` `delay_ms` after the rank
     works past iteration `after` (a SIGKILL, or a SIGSTOP: a hang that stops heartbeats too).
     With `node`, `rank` names a node: its agent and all its workers are SIGKILLed once its first
@@ -378,12 +381,6 @@ class LateKill:
     returncode: int | None = None
     stderr: str = ""
     signalled_at: float | None = None    # wall time of the signal, from the tool's log line
-    _thread: threading.Thread | None = field(default=None, repr=False)
-
-    def start(self) -> "LateKill":
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
 
     def _run(self) -> None:
         what = ("--node" if self.node else "--stop" if self.stop else "--term" if self.term
@@ -396,6 +393,3 @@ class LateKill:
             self.returncode, self.stderr = out.returncode, out.stderr
             found = re.search(r" at (\d+\.\d+)$", out.stdout.strip())
             self.signalled_at = float(found.group(1)) if found else None
-
-    def join(self, timeout: float = 60) -> None:
-        self._thread.join(timeout)
