@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ from tests.launch import REPO, read_csv
 from tools.reproduce import cluster, executed, simulate, traces
 from tools.reproduce.__main__ import main
 from tools.reproduce.tables import (AUTO_TOLERANCE, BEST_FIXED, FIXED_KIND, PAPER_RATIOS,
-                                    TRACE_MODEL, Options, stage_groups, trace_set)
+                                    TRACE_MODEL, Options, stage_groups, trace_outcomes,
+                                    trace_set)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +126,13 @@ def test_table2_ends_with_auto_over_the_best_fixed_policy_from_its_summary(resul
 
 def _options(seeds: int, span_h: float = 48.0) -> Options:
     return Options(Path("."), False, "", span_h, 1.0, 1.0, 30.0, 5.0, 0, 0, seeds)
+
+
+def test_traces_simulated_in_several_processes_have_the_outcomes_of_one():
+    setups = [cluster.setup(TRACE_MODEL)]
+    one = trace_outcomes(_options(1, span_h=1.0), setups)
+    two = trace_outcomes(dataclasses.replace(_options(1, span_h=1.0), jobs=2), setups)
+    assert one == two and len(one[1]) == len(one[0][setups[0].label]) * len(simulate.POLICIES)
 
 
 def test_the_full_trace_set_has_every_kind_at_each_seed_under_distinct_names():
@@ -297,12 +306,15 @@ def test_the_time_to_train_a_set_number_of_iterations_is_where_the_throughput_re
     costs = simulate.Costs(30, 5)
     n = 3.6e6 / s.iteration_ms                 # a failure-free hour
     none = traces.Trace("none", 1.0, 1.0, 1.0, ())
-    assert simulate.hours_to_train(s, p, none, costs, n) == pytest.approx(1.0)
+    assert simulate.train_until(s, p, none, costs, n).span_h == pytest.approx(1.0)
     gpu = s.plan.pipelines[0].stages[1].ranks[0]
     trace = traces.Trace("a loss", 1.0, 1.0, 0.1,
                          (traces.Event(0.5, "fail", gpu), traces.Event(0.6, "rejoin", gpu)))
-    took = simulate.hours_to_train(s, p, trace, costs, n)
-    assert took > 1.0
+    trained = simulate.train_until(s, p, trace, costs, n)
+    took = trained.span_h
+    assert took > 1.0 and trained.samples_per_s(s.global_batch) == pytest.approx(
+        n * s.global_batch / (took * 3600))
+    assert sum(trained.recoveries.values()) == 1
     out = simulate.simulate(s, p, dataclasses.replace(trace, span_h=took), costs)
     assert out.iterations == pytest.approx(n)
 
@@ -404,6 +416,7 @@ def test_a_bad_table_name_is_one_line_and_exit_2():
     (["all", "--seed", "x"], "invalid int value"),
     (["table2", "--executed-ranks", "3"], "--executed-ranks 3: 0, or an even number"),
     (["table2", "--seeds", "0"], "--seeds 0: at least 1"),
+    (["table2", "--jobs", "0"], "--jobs 0: at least 1"),
     ([], "the following arguments are required"),
 ])
 def test_bad_flag_values_are_one_line_and_exit_2(capsys, argv, says):
@@ -425,22 +438,58 @@ def test_an_out_path_that_is_a_file_is_refused(tmp_path, capsys):
 def test_the_op_overhead_is_fitted_so_the_failure_free_plan_takes_its_measured_time(tmp_path):
     """The emulation pads each op to the device's time but not the executor's own work
     between ops: the failure-free run measured 2.0% above its prediction. The fitted host time
-    per forward or backward op brings the prediction to the measured iteration, and costs more
-    on a plan that runs more ops a rank (a 2 x 3 restart plan of 16 micro-batches a pipeline
-    measured 3412 ms, predicted 3227 ms without it); a run faster than predicted fits none."""
+    per forward or backward op brings the prediction to the run's pace (its wall time an
+    iteration, checkpoint saves included: the predicted throughput is the measured one), and
+    costs more on a plan that runs more ops a rank (a 2 x 3 restart plan of 16 micro-batches a
+    pipeline measured 3412 ms, predicted 3227 ms without it); a run faster than predicted fits
+    none."""
     c = executed.Config(8, 2, 33.0, executed.default_profile(tmp_path / "device.json"), "", 12)
     predicted = predict_plan(c.plan, c.device).iteration_ms
 
-    def fitted(measured_ms: float) -> executed.Comparison:
-        ff = executed.Measured("failure-free", "none", 48, 1.0, 1.0, [],
-                               median_iteration_ms=measured_ms)
+    def fitted(pace_ms: float) -> executed.Comparison:
+        ff = executed.Measured("failure-free", "none", 48, 47 * pace_ms / 1e3,
+                               47 * c.global_batch / (47 * pace_ms / 1e3), [],
+                               median_iteration_ms=0.99 * pace_ms)
         return executed.Comparison(c, [], [], failure_free=[ff])
 
     cmp = fitted(1.02 * predicted)
     assert cmp.op_overhead_ms > 0
     device = cmp.device("a trace", "auto")
     assert predict_plan(c.plan, device).iteration_ms == pytest.approx(1.02 * predicted)
+    assert cmp.predicted_failure_free == pytest.approx(cmp.failure_free_samples_per_s)
     restart = replan(c.plan, {3}, c.device)
     assert predict_plan(restart, device).iteration_ms - \
         predict_plan(restart, c.device).iteration_ms > 0.02 * predicted
     assert fitted(0.99 * predicted).op_overhead_ms == 0.0
+
+
+def test_executed_runs_saved_and_loaded_are_predicted_alike(tmp_path):
+    """tools/bench/traces.py --save-runs keeps what the predictions are made from (each run's
+    measurements, the device, the traces); --from-runs predicts them again without running."""
+    c = executed.Config(8, 2, 33.0, executed.default_profile(tmp_path / "device.json"), "", 12)
+    trs = executed.trace_set(48, 12, 12.0, c.plan, 12, 0)
+    policies = [p for p in simulate.POLICIES if p.name in ("auto", "megatron")]
+    ff = executed.Measured("failure-free", "none", 48, 47 * 2.8, 47 * c.global_batch / (47 * 2.8),
+                           [4.0, 3.9], median_iteration_ms=2790.0)
+    cmp = executed.Comparison(c, trs, policies, [ff])
+    for t in trs:
+        cmp.runs[t.name, "auto"] = [executed.Measured(
+            "auto", t.name, 48, 160.0, 9.6, [4.0, 3.9], recoveries=Counter(reroute=3),
+            rejoins=3, recovery_ms=[900.0, 1100.0, 1000.0], median_iteration_ms=2800.0)]
+        cmp.runs[t.name, "megatron"] = [executed.Measured(
+            "megatron", t.name, 48, 210.0, 7.3, [4.0, 3.9], recoveries=Counter(relaunch=3),
+            relaunch_s=[9.5, 10.1], median_iteration_ms=2790.0)]
+    cmp.predict()
+    (tmp_path / "load").mkdir()
+    back = executed.Comparison.from_json(cmp.to_json(), tmp_path / "load")
+    back.predict()
+    assert back.runs == cmp.runs and back.failure_free == cmp.failure_free
+    assert back.traces == cmp.traces and back.policies == cmp.policies
+    for key in cmp.predicted:
+        assert back.predicted_samples_per_s(*key) == cmp.predicted_samples_per_s(*key) > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"config": {}}')
+    run = subprocess.run([sys.executable, "tools/bench/traces.py", "--from-runs", str(bad)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
+    assert "not a file --save-runs wrote" in run.stderr and "Traceback" not in run.stderr

@@ -7,13 +7,16 @@ failures stands for an hour, and a checkpoint every 30 minutes, a 5-minute relau
 checkpoint storage are compressed with it). Prints each run's measured average throughput
 (samples per second of wall time, transitions included) beside the simulator's prediction
 for the same trace (the time it takes to train the run's iterations, its host costs
-calibrated from the runs: a recovery's rebuild, Megatron's relaunch), the spread over
+calibrated from the runs: each op's host time, a recovery's rebuild, Megatron's relaunch;
+printed with the recoveries it simulated), the spread over
 repeats ((largest - smallest) / mean), the host seconds of its in-process transitions
 (detection to resume, real here, not compressed), and auto / each policy, measured and
 predicted, beside the paper's 1.229 (Oobleck) and 1.355 (ReCycle).
 
     python tools/bench/traces.py [--ranks 8] [--iters 48] [--every 12] [--poisson 12]
         [--repair 12] [--dilation 33] [--profile PROFILE.json] [--repeats 1]
+        [--save-runs RUNS.json]
+    python tools/bench/traces.py --from-runs RUNS.json    # the same runs, predicted again
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                    choices=[q.name for q in simulate.POLICIES])
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0, help="of the traces' victims and gaps")
+    p.add_argument("--save-runs", type=Path, default=None, metavar="FILE",
+                   help="write the runs' measurements there (JSON), to predict them again")
+    p.add_argument("--from-runs", type=Path, default=None, metavar="FILE",
+                   help="run nothing: the measurements --save-runs wrote, predicted again "
+                        "(the other options are then those runs')")
     a = p.parse_args(argv)
     if not 4 <= a.ranks <= 32 or a.ranks % a.pipeline:
         return _fail(f"--ranks {a.ranks}: 4 to 32, a multiple of --pipeline {a.pipeline}")
@@ -68,31 +76,58 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--dilation and --poisson must be positive")
     if a.profile is not None and not a.profile.is_file():
         return _fail(f"--profile {a.profile}: no such file")
-    repair = a.every if a.repair is None else (a.repair or None)
-    data = ensure_builtin_dataset(quiet=True, progress=False)
+    if a.from_runs is not None and not a.from_runs.is_file():
+        return _fail(f"--from-runs {a.from_runs}: no such file")
     with tempfile.TemporaryDirectory(prefix="traces-") as tmp:
         work = Path(tmp)
-        profile = a.profile or executed.default_profile(work / "device.json")
-        c = executed.Config(a.ranks, a.pipeline, a.dilation, profile, data, a.every)
-        trs = executed.trace_set(a.iters, a.every, a.poisson, c.plan, repair, a.seed)
-        policies = [q for q in simulate.POLICIES if q.name in a.policies]
-        if "auto" not in a.policies:
-            return _fail("--policies must include auto (the ratios are auto over each)")
-        print(f"{a.ranks} emulated ranks, pipeline {a.pipeline}, dilation {a.dilation:g}; "
-              f"one trace hour = {a.every} iterations (compression {c.compression:.0f}x): "
-              f"checkpoint every {c.save_interval} iterations, relaunch "
-              f"{c.relaunch_wall_s:.1f} s of wall time")
-        for t in trs:
-            print(f"  {t.name}: " + ", ".join(f"rank {k.rank} at iteration {k.iteration}"
-                                              for k in t.kills)
-                  + (f"; each back after {t.repair} iterations" if t.repair else "; no rejoin"),
-                  flush=True)
-        cmp = executed.compare(c, trs, policies, a.repeats, work,
-                               on_run=lambda label: print(f"  ran {label}", flush=True))
+        if a.from_runs is not None:
+            try:
+                cmp = executed.Comparison.from_json(a.from_runs.read_text(), work)
+            except (ValueError, KeyError, TypeError) as e:
+                return _fail(f"--from-runs {a.from_runs}: not a file --save-runs wrote "
+                             f"({type(e).__name__}: {e})")
+            print(f"the runs of {a.from_runs}, predicted again")
+            cmp.predict()
+        else:
+            if "auto" not in a.policies:
+                return _fail("--policies must include auto (the ratios are auto over each)")
+            cmp = _run(a, work)
+            if a.save_runs is not None:
+                a.save_runs.write_text(cmp.to_json())
+        _report(cmp)
+    return 0
+
+
+def _run(a: argparse.Namespace, work: Path) -> executed.Comparison:
+    repair = a.every if a.repair is None else (a.repair or None)
+    data = ensure_builtin_dataset(quiet=True, progress=False)
+    profile = a.profile or executed.default_profile(work / "device.json")
+    c = executed.Config(a.ranks, a.pipeline, a.dilation, profile, data, a.every)
+    trs = executed.trace_set(a.iters, a.every, a.poisson, c.plan, repair, a.seed)
+    policies = [q for q in simulate.POLICIES if q.name in a.policies]
+    print(f"{a.ranks} emulated ranks, pipeline {a.pipeline}, dilation {a.dilation:g}; "
+          f"one trace hour = {a.every} iterations (compression {c.compression:.0f}x): "
+          f"checkpoint every {c.save_interval} iterations, relaunch "
+          f"{c.relaunch_wall_s:.1f} s of wall time")
+    for t in trs:
+        print(f"  {t.name}: " + ", ".join(f"rank {k.rank} at iteration {k.iteration}"
+                                          for k in t.kills)
+              + (f"; each back after {t.repair} iterations" if t.repair else "; no rejoin"),
+              flush=True)
+    return executed.compare(c, trs, policies, a.repeats, work,
+                            on_run=lambda label: print(f"  ran {label}", flush=True))
+
+
+def _report(cmp: executed.Comparison) -> None:
+    trs, policies = cmp.traces, cmp.policies
     ff = cmp.failure_free_samples_per_s
     print(f"\nfailure-free: {ff:.2f} samples/s (iteration {cmp.failure_free[0].median_iteration_ms:.0f} ms)")
+    print(f"the prediction's host costs, calibrated from these runs: {cmp.op_overhead_ms:.2f} ms "
+          f"per forward or backward op; relaunch " + ", ".join(
+              f"{cmp.relaunch_s(t.name):.1f} s ({t.name})" for t in trs))
     print(f"{'trace':>30} | {'policy':>9} | {'samples/s':>9} | {'spread':>6} | {'/ ff':>5} | "
-          f"{'predicted':>9} | {'recoveries':>22} | rejoins | host s | loss diff | overruns")
+          f"{'predicted':>9} | {'recoveries':>22} | rejoins | host s | loss diff | overruns | "
+          f"rebuild ms | simulated recoveries (moves)")
     for t in trs:
         for q in policies:
             ms = cmp.runs[t.name, q.name]
@@ -102,14 +137,17 @@ def main(argv: list[str] | None = None) -> int:
             share = max(m.overrun_share for m in ms)
             valid = "" if all(m.valid for m in ms) else " INVALID"
             tput = cmp.samples_per_s(t.name, q.name)
+            sim = cmp.predicted[t.name, q.name]
             # a relaunch is not an in-process transition: its time is the trace's relaunch
             host = "-" if q.name == executed.MEGATRON else \
                 f"{statistics.fmean(m.transition_s for m in ms):.1f}"
             print(f"{t.name:>30} | {q.name:>9} | {tput:9.2f} | "
                   f"{100 * cmp.spread(t.name, q.name):5.1f}% | {tput / ff:5.2f} | "
-                  f"{cmp.predicted[t.name, q.name]:9.2f} | {rec:>22} | "
+                  f"{cmp.predicted_samples_per_s(t.name, q.name):9.2f} | {rec:>22} | "
                   f"{sum(m.rejoins for m in ms):7d} | {host:>6} | {diff:9.1e} | "
-                  f"{100 * share:.2f}%{valid}")
+                  f"{100 * share:7.2f}%{valid} | {cmp.device(t.name, q.name).rebuild_ms:10.0f} | "
+                  + ", ".join(f"{k} {v}" for k, v in sim.recoveries.most_common())
+                  + f" ({sim.replans})")
     print(f"\n{'trace':>30} | {'auto / policy':>13} | {'measured':>8} | {'predicted':>9} | paper")
     for t in trs:
         for q in policies:
@@ -118,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{t.name:>30} | {q.name:>13} | {cmp.ratio(t.name, q.name):8.3f} | "
                   f"{cmp.predicted_ratio(t.name, q.name):9.3f} | "
                   + (f"{PAPER_RATIOS[q.name]:.3f}" if q.name in PAPER_RATIOS else "-"))
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -67,6 +68,9 @@ def parser() -> _Parser:
     g.add_argument("--seeds", type=int, default=None, metavar="N",
                    help="simulated traces of each kind, seeds SEED to SEED + N - 1 (default "
                         "20, the paper's; 1 with --quick)")
+    g.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="processes simulating the traces (default: one per core, "
+                        f"{os.cpu_count() or 1} here)")
     g.add_argument("--executed-ranks", type=int, default=8, metavar="N",
                    help="ranks of the traces executed by real jobs on emulated devices "
                         "(4 to 32, even; default 8; 0: the simulated traces only)")
@@ -98,11 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--executed-ranks {args.executed_ranks}: 0, or an even number from 4 to 32")
     if args.seeds is not None and args.seeds < 1:
         p.error(f"--seeds {args.seeds}: at least 1")
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     options = Options(args.out, args.quick, _command(argv),
                       args.span_h or (3.0 if args.quick else 48.0), args.mtbf_h, args.repair_h,
                       args.checkpoint_min, args.restart_min, args.seed,
-                      args.executed_ranks, args.seeds or (1 if args.quick else 20))
+                      args.executed_ranks, args.seeds or (1 if args.quick else 20), args.jobs)
     ctx = Context(options)
     try:
         for name in dict.fromkeys(names):

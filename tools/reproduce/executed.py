@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import random
 import statistics
@@ -232,6 +233,21 @@ class Measured:
     # the checkpoint read, the first iteration's warm-up).
     relaunch_s: list[float] = field(default_factory=list)
 
+    def to_dict(self) -> dict:
+        # not dataclasses.asdict: it rebuilds a Counter from its (key, count) pairs as keys
+        return {f.name: dict(self.recoveries) if f.name == "recoveries" else getattr(self, f.name)
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Measured":
+        return cls(**{**d, "recoveries": Counter(d["recoveries"])})
+
+    @property
+    def pace_ms(self) -> float:
+        """Its mean iteration, the end of iteration 1 to the end of the last: the median's
+        iteration and what the median leaves out (the checkpoint saves, the slower ones)."""
+        return self.wall_s * 1e3 / (self.iterations - 1)
+
 
 def _args(c: Config, iterations: int, checkpoints: Path, plan_file: Path) -> list[str]:
     return SMALL_MODEL + [
@@ -416,13 +432,14 @@ def _last_line(text: str) -> str:
 
 
 # ---- predictions -------------------------------------------------------------------------------
-def predicted_samples_per_s(trace: ExecutedTrace, c: Config, policy: simulate.Policy,
-                            iteration_ms: float, device: Profile, relaunch_s: float) -> float:
+def predicted(trace: ExecutedTrace, c: Config, policy: simulate.Policy, iteration_ms: float,
+              device: Profile, relaunch_s: float) -> simulate.Outcome:
     """What tools/reproduce/simulate predicts for the trace on `device` (the emulated one,
     its host costs calibrated: Comparison.device): the kills and rejoins at their instants
     (`iteration_ms`: the failure-free iteration they were placed by, measured), a relaunch of
     `relaunch_s` (Comparison.relaunch_s); counted, as measured, from the end of iteration 1 to
-    the end of the last, however long the job takes to train them."""
+    the end of the last, however long the job takes to train them (the outcome's
+    samples_per_s(c.global_batch)), and the recoveries it simulated."""
     ms = predict_plan(c.plan, device).iteration_ms
     events = []
     for k in trace.kills:
@@ -437,8 +454,7 @@ def predicted_samples_per_s(trace: ExecutedTrace, c: Config, policy: simulate.Po
                      tuple(sorted(events, key=lambda e: (e.hour, e.kind == "fail"))))
     setup = Setup("executed", 1, device, c.plan, c.plan, ms)
     costs = simulate.Costs(c.save_interval * ms / 6e4, relaunch_s / 60)
-    took = simulate.hours_to_train(setup, policy, t, costs, trace.iterations - 1)
-    return (trace.iterations - 1) * c.global_batch / (took * 3600)
+    return simulate.train_until(setup, policy, t, costs, trace.iterations - 1)
 
 
 # ---- a comparison -------------------------------------------------------------------------------
@@ -453,7 +469,8 @@ class Comparison:
     policies: list[simulate.Policy]
     failure_free: list[Measured] = field(default_factory=list)
     runs: dict[tuple[str, str], list[Measured]] = field(default_factory=dict)
-    predicted: dict[tuple[str, str], float] = field(default_factory=dict)
+    # (trace, policy) -> the simulator's run of it (Comparison.predicted_samples_per_s)
+    predicted: dict[tuple[str, str], simulate.Outcome] = field(default_factory=dict)
 
     def samples_per_s(self, trace: str, policy: str) -> float:
         return statistics.fmean(m.samples_per_s for m in self.runs[trace, policy])
@@ -465,10 +482,12 @@ class Comparison:
     @functools.cached_property
     def op_overhead_ms(self) -> float:
         """The host time per forward or backward op that makes the failure-free plan's
-        predicted iteration the measured one (the emulation pads each op to the device's time,
-        not the executor's own work between ops); 0 when the prediction is not below it."""
+        predicted iteration the failure-free run's pace (the emulation pads each op to the
+        device's time, not the executor's own work between ops; the pace has the checkpoint
+        saves every policy makes too): its predicted throughput is the measured one. 0 when
+        the prediction is not below it."""
         c = self.config
-        target = statistics.fmean(m.median_iteration_ms for m in self.failure_free)
+        target = statistics.fmean(m.pace_ms for m in self.failure_free)
 
         def predicted(h: float) -> float:
             return predict_plan(c.plan, dataclasses.replace(c.device, op_overhead_ms=h)
@@ -519,8 +538,52 @@ class Comparison:
         device = dataclasses.replace(c.device, op_overhead_ms=self.op_overhead_ms)
         return c.global_batch / predict_plan(c.plan, device).iteration_ms * 1e3
 
+    def predict(self) -> None:
+        """The simulator's run of every trace under every policy, calibrated from the runs."""
+        pace = statistics.fmean(m.median_iteration_ms for m in self.failure_free)
+        for t in self.traces:
+            for p in self.policies:
+                self.predicted[t.name, p.name] = predicted(
+                    t, self.config, p, pace, self.device(t.name, p.name),
+                    self.relaunch_s(t.name) if p.relaunch else 0.0)
+
+    def to_json(self) -> str:
+        """The runs' measurements, the device and the traces: what the predictions are made
+        from (from_json then predict() again, after a change to the simulator)."""
+        c = self.config
+        return json.dumps({
+            "config": {"ranks": c.ranks, "pipeline": c.pipeline, "dilation": c.dilation,
+                       "device": Profile.load(c.profile).to_dict(), "interval": c.interval},
+            "traces": [dataclasses.asdict(t) for t in self.traces],
+            "policies": [p.name for p in self.policies],
+            "failure_free": [m.to_dict() for m in self.failure_free],
+            "runs": [{"trace": t, "policy": p, "measured": [m.to_dict() for m in ms]}
+                     for (t, p), ms in self.runs.items()]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, workdir: Path) -> "Comparison":
+        """A comparison's runs saved by to_json, its device written to `workdir`; not yet
+        predicted. Raises ValueError (KeyError, TypeError) on a file that is not one."""
+        d = json.loads(text)
+        c = d["config"]
+        device = workdir / "device.json"
+        Profile.from_dict(c["device"]).save(device)
+        config = Config(c["ranks"], c["pipeline"], c["dilation"], device, "", c["interval"])
+        trs = [ExecutedTrace(t["name"], t["iterations"], t["interval"], t["repair"],
+                             tuple(Kill(**k) for k in t["kills"])) for t in d["traces"]]
+        by_name = {p.name: p for p in simulate.POLICIES}
+        out = cls(config, trs, [by_name[n] for n in d["policies"]],
+                  [Measured.from_dict(m) for m in d["failure_free"]])
+        out.runs = {(r["trace"], r["policy"]): [Measured.from_dict(m) for m in r["measured"]]
+                    for r in d["runs"]}
+        return out
+
+    def predicted_samples_per_s(self, trace: str, policy: str) -> float:
+        return self.predicted[trace, policy].samples_per_s(self.config.global_batch)
+
     def predicted_ratio(self, trace: str, policy: str) -> float:
-        return self.predicted[trace, "auto"] / self.predicted[trace, policy]
+        return self.predicted_samples_per_s(trace, "auto") / \
+            self.predicted_samples_per_s(trace, policy)
 
 
 def compare(c: Config, trs: list[ExecutedTrace], policies: list[simulate.Policy],
@@ -543,9 +606,5 @@ def compare(c: Config, trs: list[ExecutedTrace], policies: list[simulate.Policy]
                 out.runs.setdefault((t.name, p.name), []).append(m)
                 if on_run:
                     on_run(f"{p.name}, {t.name}")
-    for t in trs:
-        for p in policies:
-            out.predicted[t.name, p.name] = predicted_samples_per_s(
-                t, c, p, statistics.fmean(m.median_iteration_ms for m in out.failure_free),
-                out.device(t.name, p.name), out.relaunch_s(t.name) if p.relaunch else 0.0)
+    out.predict()
     return out

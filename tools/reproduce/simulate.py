@@ -37,6 +37,7 @@ a later event could cut short).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -111,21 +112,24 @@ def simulate(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
     return job.out
 
 
-def hours_to_train(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
-                   iterations: float) -> float:
-    """How long the job takes to train `iterations` under the trace, in hours (math.inf if it
-    never does): what a run that trains a set number of iterations lasts, as the executed
-    traces measure it. Events come at their hours wherever the job is by then, after the
-    trace's span too; the span is only the planner's horizon."""
+def train_until(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
+                iterations: float) -> Outcome:
+    """The job trained until it has `iterations`, however long that takes, as the executed
+    traces measure it: its outcome over that time (span_h: how long it took, math.inf if it
+    never does; its recoveries and moves until then). Events come at their hours wherever the
+    job is by then, after the trace's span too; the span is only the planner's horizon."""
     job = _Job(setup, policy, trace, costs)
+    done = None
     for event in trace.events:
         done = job.reached(event.hour * 3.6e6, iterations)
         if done is not None:
-            return done / 3.6e6
+            break
         job.advance(event.hour * 3.6e6)
         (job.fail if event.kind == "fail" else job.rejoin)(event.gpu)
-    done = job.reached(math.inf, iterations)
-    return math.inf if done is None else done / 3.6e6
+    else:
+        done = job.reached(math.inf, iterations)
+    return dataclasses.replace(job.out, iterations=iterations,
+                               span_h=math.inf if done is None else done / 3.6e6)
 
 
 def failure_free_ms(setup: Setup, policy: Policy) -> float:

@@ -3,9 +3,12 @@ markdown, CSVs and plots)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import math
+import multiprocessing
 import os
 import statistics
 import time
@@ -47,6 +50,7 @@ class Options:
     seed: int
     executed_ranks: int                # of table 2's executed traces; 0: none
     seeds: int = 1                     # table 2: traces of each kind, seeds seed, seed + 1, ...
+    jobs: int = 1                      # table 2: processes simulating its traces
 
 
 class Context:
@@ -273,18 +277,37 @@ def trace_set(o: Options, setup: cluster.Setup) -> list[KindTrace]:
 
 def trace_outcomes(o: Options, setups: list[cluster.Setup]) -> tuple[
         dict[str, list[KindTrace]], dict[tuple[str, str, str], simulate.Outcome]]:
-    """(setup label -> its traces, (setup label, trace, policy) -> its outcome)."""
+    """(setup label -> its traces, (setup label, trace, policy) -> its outcome); each trace's
+    policies simulated in one of o.jobs processes (the same outcomes in any number)."""
     costs = simulate.Costs(o.checkpoint_min, o.restart_min)
     sets = {s.label: trace_set(o, s) for s in setups}
+    tasks = [(s, k.trace) for s in setups for k in sets[s.label]]
     out = {}
-    with tqdm(total=sum(len(k.trace.events) for ks in sets.values() for k in ks) *
-              len(simulate.POLICIES), desc="table 2: trace events") as bar:
-        for s in setups:
-            for k in sets[s.label]:
-                for p in simulate.POLICIES:
-                    out[s.label, k.trace.name, p.name] = simulate.simulate(s, p, k.trace, costs,
-                                                                           bar.update)
+    with tqdm(total=sum(len(t.events) for _, t in tasks) * len(simulate.POLICIES),
+              desc="table 2: trace events") as bar:
+        if o.jobs == 1:
+            done = (_simulate_trace(s, t, costs, bar.update) for s, t in tasks)
+        else:
+            # spawned, not forked: the parent may hold torch's threads (tables 5 and 6)
+            pool = concurrent.futures.ProcessPoolExecutor(
+                o.jobs, mp_context=multiprocessing.get_context("spawn"))
+            done = pool.map(_simulate_trace, *zip(*tasks), itertools.repeat(costs))
+        try:
+            for (s, t), outcomes in zip(tasks, done):
+                for p, outcome in zip(simulate.POLICIES, outcomes):
+                    out[s.label, t.name, p.name] = outcome
+                if o.jobs > 1:
+                    bar.update(len(t.events) * len(simulate.POLICIES))
+        finally:
+            if o.jobs > 1:
+                pool.shutdown(cancel_futures=True)
     return sets, out
+
+
+def _simulate_trace(setup: cluster.Setup, trace: traces.Trace, costs: simulate.Costs,
+                    on_event: Callable[[], None] | None = None) -> list[simulate.Outcome]:
+    """Every policy on `trace`, in simulate.POLICIES' order."""
+    return [simulate.simulate(setup, p, trace, costs, on_event) for p in simulate.POLICIES]
 
 
 def best_fixed_line(ratios: list[float], where: str) -> str:
@@ -465,8 +488,8 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
         for p in policies:
             [m] = cmp.runs[t.name, p.name]
             rows.append([t.name, kills, p.label, m.samples_per_s, m.samples_per_s / ff,
-                         cmp.predicted[t.name, p.name],
-                         cmp.predicted[t.name, p.name] / cmp.predicted_failure_free,
+                         cmp.predicted_samples_per_s(t.name, p.name),
+                         cmp.predicted_samples_per_s(t.name, p.name) / cmp.predicted_failure_free,
                          ", ".join(f"{k} {v}" for k, v in m.recoveries.most_common()),
                          m.rejoins, runs.max_relative_difference(m.losses, reference),
                          100 * m.overrun_share, "yes" if m.valid else "NO"])
