@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("results")
-    # Bounds 7 launches of 4 processes (a failure-free run, 4 policies, Megatron's 2) of 10
+    # Bounds 7 launches of 4 processes (a failure-free run, 4 policies, Megatron's 2) of 9
     # short iterations each on 2 shared cores, about 12 s each; far beyond, a run hangs.
     run = subprocess.run([sys.executable, "-m", "tools.reproduce", "table2", "--quick",
                           "--executed-ranks", "4", "--out", str(out)], cwd=REPO, capture_output=True, text=True,

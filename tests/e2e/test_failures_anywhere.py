@@ -123,11 +123,11 @@ def _random_kill(seed: int) -> dict:
             "delay_ms": rng.randint(0, 400), "save_interval": rng.randint(2, 5)}
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_a_kill_from_outside_at_a_random_instant(references, small_data, tmp_path, seed):
     """tools/inject_failure.py SIGKILLs a random rank of pipeline 2 x data 3 a random delay
     after it works past a random iteration, with checkpoints every 2 to 5 iterations (so some
-    kills land in a save), under auto. (tests/e2e/test_sharded_recovery.py kills at 4 more
+    kills land in a save), under auto. (tests/e2e/test_sharded_recovery.py kills at 2 more
     random instants, with the distributed optimizer and both overlaps.)"""
     case = _random_kill(seed)
     port = free_port()

@@ -96,11 +96,11 @@ def test_a_lost_shard_comes_from_its_other_copy_or_the_checkpoint(
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 def test_a_kill_from_outside_at_a_random_instant_with_overlapped_reduction_and_gather(
         reference, small_data, tmp_path, seed):
     """tools/inject_failure.py SIGKILLs a random rank of data 4 (the distributed optimizer in
-    2 instances, or, for odd seeds, in one with buddy copies; --overlap-grad-reduce,
+    2 instances, or, for the odd seed, in one with buddy copies; --overlap-grad-reduce,
     --overlap-param-gather) a random delay after it works past a random iteration, under auto:
     wherever the kill lands (a bucket's reduce-scatter dispatched from a backward hook, a
     bucket's message to its buddy, the gather of the stepped shards from a forward hook, a

@@ -112,6 +112,12 @@ def simulate(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
     return job.out
 
 
+def every_policy(setup: Setup, trace: Trace, costs: Costs,
+                 on_event: Callable[[], None] | None = None) -> list[Outcome]:
+    """simulate() of every policy on `trace`, in POLICIES' order."""
+    return [simulate(setup, p, trace, costs, on_event) for p in POLICIES]
+
+
 def train_until(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
                 iterations: float) -> Outcome:
     """The job trained until it has `iterations`, however long that takes, as the executed

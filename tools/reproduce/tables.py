@@ -286,12 +286,13 @@ def trace_outcomes(o: Options, setups: list[cluster.Setup]) -> tuple[
     with tqdm(total=sum(len(t.events) for _, t in tasks) * len(simulate.POLICIES),
               desc="table 2: trace events") as bar:
         if o.jobs == 1:
-            done = (_simulate_trace(s, t, costs, bar.update) for s, t in tasks)
+            done = (simulate.every_policy(s, t, costs, bar.update) for s, t in tasks)
         else:
-            # spawned, not forked: the parent may hold torch's threads (tables 5 and 6)
+            # spawned, not forked: the parent may hold torch's threads (tables 5 and 6); a
+            # child imports tools/reproduce/simulate.py, without torch
             pool = concurrent.futures.ProcessPoolExecutor(
                 o.jobs, mp_context=multiprocessing.get_context("spawn"))
-            done = pool.map(_simulate_trace, *zip(*tasks), itertools.repeat(costs))
+            done = pool.map(simulate.every_policy, *zip(*tasks), itertools.repeat(costs))
         try:
             for (s, t), outcomes in zip(tasks, done):
                 for p, outcome in zip(simulate.POLICIES, outcomes):
@@ -302,12 +303,6 @@ def trace_outcomes(o: Options, setups: list[cluster.Setup]) -> tuple[
             if o.jobs > 1:
                 pool.shutdown(cancel_futures=True)
     return sets, out
-
-
-def _simulate_trace(setup: cluster.Setup, trace: traces.Trace, costs: simulate.Costs,
-                    on_event: Callable[[], None] | None = None) -> list[simulate.Outcome]:
-    """Every policy on `trace`, in simulate.POLICIES' order."""
-    return [simulate.simulate(setup, p, trace, costs, on_event) for p in simulate.POLICIES]
 
 
 def best_fixed_line(ratios: list[float], where: str) -> str:
@@ -455,10 +450,10 @@ def traces_table(ctx: Context) -> Section:
 
 # The executed traces: --quick runs one kill on a short job at a dilation too small to be a
 # valid emulation on 2 cores (it shows the machinery, the table says so); the full version
-# runs two traces with rejoins at a dilation valid at 8 ranks here. The quick job's 10 iterations
+# runs two traces with rejoins at a dilation valid at 8 ranks here. The quick job's 9 iterations
 # are the fewest around its kill at 6: the calibration's warm-up before it (executed.FIRST_KILL),
 # the margin to recover after it (LAST_MARGIN).
-EXECUTED_QUICK = dict(iterations=10, every=6, repair=None, dilation=5.0, poisson=False)
+EXECUTED_QUICK = dict(iterations=9, every=6, repair=None, dilation=3.0, poisson=False)
 EXECUTED_FULL = dict(iterations=48, every=12, repair=12, dilation=33.0, poisson=True)
 
 
