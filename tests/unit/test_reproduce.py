@@ -493,3 +493,48 @@ def test_executed_runs_saved_and_loaded_are_predicted_alike(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
     assert "not a file --save-runs wrote" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_fixed_policy_admits_at_once_and_a_waiting_joiner_takes_the_next_lost_place():
+    """As the job's forced strategies do (decider.Decider): a GPU back ("up") waits for its
+    admission, a spare meanwhile, and a loss before it is admitted is absorbed by it taking
+    the lost place (substitute, the layout kept); a rejoin with another GPU still down is
+    admitted at once (the strategy absorbing the empty place), where auto may stay."""
+    s = cluster.setup(TRACE_MODEL)
+    oobleck = next(p for p in simulate.POLICIES if p.name == "oobleck")
+    a, b, c = (s.plan.pipelines[0].stages[1].ranks[0], s.plan.pipelines[1].stages[0].ranks[0],
+               s.plan.pipelines[2].stages[2].ranks[0])
+    job = simulate._Job(s, oobleck, traces.Trace("losses", 1.0, 1.0, 0.1, ()),
+                        simulate.Costs(30, 5))
+
+    def then(hour: float, kind: str, gpu: int) -> None:
+        job.advance(hour * 3.6e6)
+        job.event(traces.Event(hour, kind, gpu))
+
+    then(0.1, "fail", a)
+    assert job.out.recoveries == {"reparallelize": 1} and a not in job.gpus
+    then(0.2, "up", a)
+    then(0.21, "fail", b)
+    assert job.out.recoveries["substitute"] == 1 and a in job.gpus and b not in job.gpus
+    then(0.22, "rejoin", a)                # admitted already, as the substitute
+    assert job.out.replans == 0
+    then(0.3, "fail", c)
+    then(0.4, "up", b)
+    then(0.41, "rejoin", b)                # c still down: admitted at once all the same
+    assert job.out.replans == 1 and b in job.gpus and c not in job.gpus
+
+
+@pytest.mark.parametrize("repair,recoveries", [(12, {"reroute": 2}),
+                                               (11, {"reroute": 1, "substitute": 1})])
+def test_an_executed_joiner_waits_for_its_admission_as_a_spare(tmp_path, repair, recoveries):
+    """The prediction of an executed trace: a killed slot's worker asks to join at its repair
+    time and is admitted at the end of the next iteration; a kill at the repair instant comes
+    first (the repair counts from the kill as signalled), one within the wait is absorbed by
+    the joiner taking the lost place."""
+    c = executed.Config(8, 2, 33.0, executed.default_profile(tmp_path / "device.json"), "", 12)
+    stages = {c.plan.position(r).stage: r for r in c.plan.ranks}
+    trace = executed.ExecutedTrace("two kills", 36, 12, repair, (
+        executed.Kill(12, stages[0]), executed.Kill(24, stages[1])))
+    recycle = next(p for p in simulate.POLICIES if p.name == "recycle")
+    out = executed.predicted(trace, c, recycle, 2800.0, c.device, 0.0)
+    assert out.recoveries == recoveries and out.span_h < math.inf

@@ -72,6 +72,8 @@ LAUNCHER = ["--heartbeat-timeout", "30"]
 # in the repair; ahead of the repair rather than at the kill, so that it does not share these
 # cores with the survivors' recovery.
 START_AHEAD_S = 15.0
+# A joiner asking in the middle of an iteration is admitted at the end of the next one.
+ADMISSION_ITERATIONS = 1.5
 MICRO_BATCHES = 4                      # per pipeline and iteration, of SMALL_MODEL's 2 samples
 CHAMELEON_FLAGS = {
     "auto": ["--chameleon-strategy", "auto"],
@@ -228,6 +230,8 @@ class Measured:
     transition_s: float = 0.0
     # Each in-process recovery's host time, first notice to the new world's start (ms).
     recovery_ms: list[float] = field(default_factory=list)
+    # Each admission's, its decision to the new world's start, the state moved included (ms).
+    rejoin_ms: list[float] = field(default_factory=list)
     # Megatron: each relaunch's wall seconds, from the kill to the end of the next launch's
     # first iteration less one of its iterations (detection, the relaunch, process start-up,
     # the checkpoint read, the first iteration's warm-up).
@@ -289,6 +293,7 @@ def _measure(policy: str, trace: str, events: list[dict], iterations: int, c: Co
     m.transition_s = sum(e["reconfigure_ms"] for e in events
                          if e["event"] in ("recovery", "rejoin")) / 1e3
     m.recovery_ms = [e["reconfigure_ms"] for e in events if e["event"] == "recovery"]
+    m.rejoin_ms = [e["reconfigure_ms"] for e in events if e["event"] == "rejoin"]
     m.median_iteration_ms = statistics.median(e["elapsed_ms"] for e in its)
     return m
 
@@ -433,27 +438,34 @@ def _last_line(text: str) -> str:
 
 # ---- predictions -------------------------------------------------------------------------------
 def predicted(trace: ExecutedTrace, c: Config, policy: simulate.Policy, iteration_ms: float,
-              device: Profile, relaunch_s: float) -> simulate.Outcome:
+              device: Profile, relaunch_s: float,
+              move_ms: float | None = None) -> simulate.Outcome:
     """What tools/reproduce/simulate predicts for the trace on `device` (the emulated one,
     its host costs calibrated: Comparison.device): the kills and rejoins at their instants
     (`iteration_ms`: the failure-free iteration they were placed by, measured), a relaunch of
-    `relaunch_s` (Comparison.relaunch_s); counted, as measured, from the end of iteration 1 to
-    the end of the last, however long the job takes to train them (the outcome's
-    samples_per_s(c.global_batch)), and the recoveries it simulated."""
+    `relaunch_s` (Comparison.relaunch_s), an admission of `move_ms` (Comparison.move_ms);
+    counted, as measured, from the end of iteration 1 to the end of the last, however long the
+    job takes to train them (the outcome's samples_per_s(c.global_batch)), and the recoveries
+    it simulated."""
     ms = predict_plan(c.plan, device).iteration_ms
     events = []
     for k in trace.kills:
-        at = k.after_s(iteration_ms) / 3600
-        events.append(traces.Event(at, "fail", k.rank))
+        events.append(traces.Event(k.after_s(iteration_ms) / 3600, "fail", k.rank))
         if trace.repair is not None:
-            events.append(traces.Event(at + trace.repair * iteration_ms / 3.6e6, "rejoin",
-                                       k.rank))
+            # Its worker asks to join at the repair time, a spare until it is admitted at the
+            # end of the next iteration at the earliest (decider.Decider.admission_time); the
+            # repair time counts from the kill as signalled, a little after its instant, so a
+            # kill at the same instant (the same formula) comes first.
+            back = Kill(k.iteration + trace.repair, k.rank).after_s(iteration_ms) / 3600
+            events += [traces.Event(back, "up", k.rank),
+                       traces.Event(back + ADMISSION_ITERATIONS * iteration_ms / 3.6e6,
+                                    "rejoin", k.rank)]
     hours = ms / 3.6e6
     t = traces.Trace(trace.name, (trace.iterations - 1) * hours, trace.interval * hours,
                      math.inf if trace.repair is None else trace.repair * hours,
-                     tuple(sorted(events, key=lambda e: (e.hour, e.kind == "fail"))))
+                     tuple(sorted(events, key=lambda e: (e.hour, e.kind != "fail"))))
     setup = Setup("executed", 1, device, c.plan, c.plan, ms)
-    costs = simulate.Costs(c.save_interval * ms / 6e4, relaunch_s / 60)
+    costs = simulate.Costs(c.save_interval * ms / 6e4, relaunch_s / 60, move_ms)
     return simulate.train_until(setup, policy, t, costs, trace.iterations - 1)
 
 
@@ -512,6 +524,13 @@ class Comparison:
         return dataclasses.replace(device, rebuild_ms=statistics.median(took)) if took \
             else device
 
+    def move_ms(self, trace: str, policy: str) -> float | None:
+        """An admission's host time under `policy` on `trace` (the decision to the new
+        world's start, the state moved included; real here, as a rebuild is), the median of
+        those measured; None where none was."""
+        took = [ms for m in self.runs.get((trace, policy), []) for ms in m.rejoin_ms]
+        return statistics.median(took) if took else None
+
     def relaunch_s(self, trace: str) -> float:
         """Megatron's relaunch on `trace`, mean over its relaunches here, less the detection
         and the rebuild that the simulator charges beside it (wall seconds; the compressed
@@ -545,7 +564,7 @@ class Comparison:
             for p in self.policies:
                 self.predicted[t.name, p.name] = predicted(
                     t, self.config, p, pace, self.device(t.name, p.name),
-                    self.relaunch_s(t.name) if p.relaunch else 0.0)
+                    self.relaunch_s(t.name) if p.relaunch else 0.0, self.move_ms(t.name, p.name))
 
     def to_json(self) -> str:
         """The runs' measurements, the device and the traces: what the predictions are made

@@ -19,14 +19,17 @@ a later event could cut short).
   GPUs come back. With tensor parallelism the failed GPU's whole group leaves the plan (its
   healthy GPUs idle until a rejoin re-plans). A failure of a GPU the plan leaves idle changes
   nothing. The failure-free plan's tensor-parallel groups that are up and out of the plan wait
-  as spares, as the job's do (decider.Decider): a policy with `substitute` (auto) may fill the
-  lost places with them, the layout kept.
+  as spares, as the job's do (decider.Decider): auto weighs the substitute (they fill the lost
+  places, the layout kept) with its other candidates, a fixed policy takes it first.
 - A chosen hybrid (reroute now, restart at the next checkpoint) switches when that checkpoint is
   written, unless another change of plan comes first.
+- A GPU up ("up", the executed traces': its worker asks to join and waits for its admission,
+  a spare meanwhile), then its rejoin:
 - A rejoin: with every GPU back, the failure-free plan; otherwise the policy's best plan over
   the GPUs up (planned from the failure-free plan with the rest lost, as strategies.rejoin
-  hands them to the planner), taken when it costs less than the current plan over the window
-  until the next failure, its move paid first (planner.rejoin_choice's "now" against "stay").
+  hands them to the planner); auto takes it when it costs less than the current plan over the
+  window until the next failure, its move paid first (planner.rejoin_choice's "now" against
+  "stay"), a fixed policy at once, as the job's forced strategies admit.
   A planned move loses no work: the rebuild plus the state the GPUs lack, sent by their peers.
 - Under a relaunching policy (Megatron's checkpoint-restart) a GPU back waits for the next
   failure's relaunch, which plans over every GPU up then: a running Megatron job cannot grow,
@@ -51,7 +54,7 @@ from chameleon_ext.planning.planner import (STRATEGIES, Candidate, Situation, Sw
 from chameleon_ext.planning.strategies.base import state_survives
 from chameleon_ext.planning.strategies.redundancy import eager_cost
 from tools.reproduce.cluster import Setup
-from tools.reproduce.traces import Trace
+from tools.reproduce.traces import Event, Trace
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ POLICIES = (
 class Costs:
     checkpoint_min: float              # a checkpoint every this many minutes of training
     restart_min: float                 # a relaunch of the job (Megatron's restart)
+    # A planned move's (an admission's) time where it was measured (the executed traces'),
+    # else None: the model's, the rebuild and the state the GPUs lack.
+    move_ms: float | None = None
 
 
 @dataclass
@@ -104,7 +110,7 @@ def simulate(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
     for event in trace.events:
         job.switch_until(event.hour * 3.6e6)
         job.advance(event.hour * 3.6e6)
-        (job.fail if event.kind == "fail" else job.rejoin)(event.gpu)
+        job.event(event)
         if on_event:
             on_event()
     job.switch_until(trace.span_h * 3.6e6)
@@ -131,7 +137,7 @@ def train_until(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
         if done is not None:
             break
         job.advance(event.hour * 3.6e6)
-        (job.fail if event.kind == "fail" else job.rejoin)(event.gpu)
+        job.event(event)
     else:
         done = job.reached(math.inf, iterations)
     return dataclasses.replace(job.out, iterations=iterations,
@@ -151,6 +157,7 @@ class _Job:
         self.world = setup.plan.world_size
         self.ff_ms = failure_free_ms(setup, policy)
         self.relaunch_ms = costs.restart_min * 6e4 if policy.relaunch else 0.0
+        self.measured_move_ms = costs.move_ms
         self.save_every = max(1, round(costs.checkpoint_min * 6e4 / setup.iteration_ms))
         self.plan: ExecutionPlan | None = setup.plan
         self.gpus = list(range(self.world))  # the GPU of each rank of the plan
@@ -210,6 +217,9 @@ class _Job:
         return failure_record(self.failed_at, self.trace.repair_h * 3.6e6, self.t)
 
     # ---- events -------------------------------------------------------------------------------
+    def event(self, e: Event) -> None:
+        {"fail": self.fail, "rejoin": self.rejoin, "up": self.up.add}[e.kind](e.gpu)
+
     def fail(self, gpu: int) -> None:
         self.up.discard(gpu)
         self.failed_at.append(self.t)
@@ -247,6 +257,8 @@ class _Job:
 
     def rejoin(self, gpu: int) -> None:
         self.up.add(gpu)
+        if gpu in self.gpus:
+            return  # admitted already: it took a lost place while it waited (substitute)
         if self.policy.relaunch and self.plan is not None:
             return  # a running Megatron job cannot grow: the GPU waits for the next relaunch
         down = set(range(self.world)) - self.up
@@ -273,8 +285,10 @@ class _Job:
         if not moves:
             return
         cost, best, used = min(moves, key=lambda m: m[0])
-        if self.plan is not None and cost >= running_ms(self.plan, self.iteration_ms,
-                                                        self.profile, situation, win):
+        # auto weighs the move against staying (the GPU a spare meanwhile); a fixed policy
+        # admits at once, its strategy absorbing the places still empty (decider.Decider)
+        if self.plan is not None and self.policy.by_objective and \
+                cost >= running_ms(self.plan, self.iteration_ms, self.profile, situation, win):
             return
         self.out.replans += 1
         self._adopt(best.plan, used, best.iteration_ms, self._move_ms(best.plan, used))
@@ -282,9 +296,15 @@ class _Job:
     # ---- helpers ------------------------------------------------------------------------------
     def _choose(self, plan: ExecutionPlan, lost: set[int], strategies: tuple[str, ...],
                 situation: Situation, spares: int = 0) -> tuple[Candidate | None, bool]:
-        """The cheapest feasible candidate of `strategies` (`spares` GPUs waiting), else
-        restart's; and whether it is the fallback."""
+        """The cheapest feasible candidate of `strategies` (`spares` GPUs waiting; a fixed
+        policy's substitute first), else restart's; and whether it is the fallback."""
         objective = self.policy.by_objective
+        if spares and "substitute" not in strategies and not self.policy.relaunch:
+            # a forced strategy substitutes first where spares wait (decider.Decider)
+            best = choose(candidates(plan, lost, self.profile, situation, ("substitute",),
+                                     spares, objective))
+            if best is not None:
+                return best, False
         best = choose(candidates(plan, lost, self.profile, situation, strategies, spares,
                                  objective))
         if best is None and "restart" not in strategies:
@@ -323,6 +343,8 @@ class _Job:
             largest = max(stage_params(new, r, shape) for r in new.ranks)
             return self.relaunch_ms + switch_ms(self.profile, loaded_bytes=largest *
                                                 self.profile.bytes_per_param)
+        if self.measured_move_ms is not None:
+            return self.measured_move_ms
         # Stalled (no plan), nobody holds anything: `was` is empty and `old` never read.
         rank_of = {g: r for r, g in enumerate(self.gpus)} if self.plan is not None else {}
         was = {r: rank_of[g] for r, g in enumerate(gpus) if g in rank_of}

@@ -26,7 +26,7 @@ StageGroups = list[list[list[int]]]
 @dataclass(frozen=True)
 class Event:
     hour: float
-    kind: str                          # "fail" or "rejoin"
+    kind: str                          # "fail", "rejoin", or "up" (simulate: back, not admitted)
     gpu: int
 
 
