@@ -208,6 +208,7 @@ class ElasticManager:
         self.admissions = 0             # admissions of joiners so far (membership key layout)
         self.admitted: set[int] = set()
         self.spares: list[int] = []     # launch ranks alive out of the committed world
+        self._spares_lost: set[int] = set()  # those of them reported lost since (lost_spares)
         self._timing: tuple | None = None   # the leader's last rejoin timing it logged
         self.peer_failed = threading.Event()
         self.placeholders: list = []    # a drain's sends, kept until their group is gone
@@ -638,6 +639,19 @@ class ElasticManager:
                       + f"; predicted over the window: {costs}", flush=True)
         return self.members.admissions.admission_due(self.admissions, iteration)
 
+    def lost_spares(self) -> tuple[list[int], int]:
+        """The spares reported failed since the last call (a clean exit, at the job's end or a
+        planned leave, is not a loss), and how many are left. Nothing else changes: the next
+        transition's agreement leaves them out, as it does any rank lost before it (a spare
+        holds no state, so its loss interrupts nobody)."""
+        if not self.spares:
+            return [], 0
+        records = self.members.failure_log.failures()
+        failed = [r for r in self.spares if r in records]
+        new = [r for r in failed if r not in self._spares_lost]
+        self._spares_lost.update(new)
+        return new, len(self.spares) - len(failed)
+
     def stop(self) -> None:
         """Stop the watcher and the heartbeats (idempotent)."""
         self._stopping.set()
@@ -709,6 +723,9 @@ class DisabledManager:
 
     def admission_due(self, iteration: int, plan: ExecutionPlan) -> bool:
         return False
+
+    def lost_spares(self) -> tuple[list[int], int]:
+        return [], 0
 
     def reconfigure(self, trigger: Trigger, plan: ExecutionPlan, enter: Enter) -> Transition:
         raise Unrecoverable("a job without --chameleon does not reconfigure")

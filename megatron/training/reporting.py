@@ -199,6 +199,14 @@ class Reporter:
                                generation=plan.generation, world=plan.world_size)
             self._expect(t.decision, it)
 
+    def spare_lost(self, it: int, launch_rank: int, left: int) -> None:
+        """A spare (alive out of the world, holding no state) was lost: nothing to recover."""
+        if not self.lead:
+            return
+        self.metrics.write("spare_lost", iteration=it, launch_rank=launch_rank, spares=left)
+        self.line(f"> launch rank {launch_rank}, a spare, was lost after iteration {it}; "
+                  f"{left} spare(s) left")
+
     def rejoined(self, t, it: int) -> None:
         d, plan = t.decision, t.plan
         self.events.append((len(self.times), plan.generation))

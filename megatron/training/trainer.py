@@ -363,6 +363,10 @@ class Trainer:
             due.append("switch")
         if self.elastic.admission_due(it, self.plan):
             due.append("admit")
+        if self.reporter.lead:
+            lost, left = self.elastic.lost_spares()
+            for rank in lost:
+                self.reporter.spare_lost(it, rank, left)
         return due
 
     def _final_actions(self) -> list[str]:

@@ -4,8 +4,8 @@ every iteration with the failure-free losses."""
 
 import pytest
 
-from tests.launch import (SMALL_MODEL, assert_close, failure_free_losses, last_losses,
-                          run_chameleon, run_job)
+from tests.launch import (SMALL_MODEL, TimedKills, assert_close, failure_free_losses, free_port,
+                          last_losses, run_chameleon, run_job)
 
 pytestmark = pytest.mark.slow
 REROUTE = ["--chameleon", "--chameleon-strategy", "reroute"]  # not the default, auto
@@ -88,26 +88,36 @@ def test_without_a_surviving_replica_the_job_restarts_from_its_checkpoint(small_
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "8"
 
 
-def test_forced_restart_leaves_the_survivors_the_plan_cannot_use(small_data, tmp_path):
+def test_forced_restart_keeps_the_survivor_it_cannot_use_as_a_spare_and_reports_its_loss(
+        small_data, tmp_path):
     """--chameleon-strategy restart on pipeline 2 x data 2 of a 2-layer model: of 3 survivors
-    the new plan (pipeline 2 x data 1) uses 2; the third stands by as a spare and leaves the job
-    cleanly once it trained its last iteration."""
+    the new plan (pipeline 2 x data 1) uses 2; the third, launch rank 2, stands by as a spare.
+    Killed from outside while the job trains iteration 5 again, it is reported lost (a
+    `spare_lost` event, no spare left) and nothing else happens: no recovery, the failure-free
+    losses."""
     args = SMALL_MODEL + ["--num-layers", "2", "--pipeline-model-parallel-size", "2",
-                          "--global-batch-size", "16", "--train-iters", "6", "--lr-decay-iters",
-                          "6", "--data-path", small_data, "--split", "100,0,0"]
+                          "--global-batch-size", "16", "--train-iters", "8", "--lr-decay-iters",
+                          "8", "--data-path", small_data, "--split", "100,0,0"]
     ref = run_job(4, args, tmp_path, name="ref-2l")
     assert ref.returncode == 0, ref.stderr[-3000:]
+    port = free_port()
+    # rank 0 works past iteration 4 only after the restart (the kill stops it in iteration 4)
+    kill = TimedKills(port, tmp_path / "kills.txt", [(0.0, 2)], after=4).start()
     run = run_chameleon(4, args + ["--chameleon", "--chameleon-strategy", "restart",
                                    "--chameleon-inject", "kill:rank=3,iter=4,phase=backward"],
-                        tmp_path, name="forced")
+                        tmp_path, name="forced", port=port)
+    kill.join()
+    assert kill.returncode == 0 and kill.signalled_at, kill.stdout
     assert run.returncode == 0, run.stderr[-3000:]
     assert_close(last_losses(run.metrics), ref.losses())
     assert "stands by as a spare after iteration 3" in run.stdout
-    assert "> leaving the job after iteration 3: the job trained its last iteration while " \
-        "launch rank" in run.stdout
     assert "no checkpoint: back to iteration 0 and the initial weights loaded onto pipeline 2 x " \
         "data 1" in run.stdout
-    assert "worker rank 2" in run.stderr and "exited 0" in run.stderr
+    [lost] = [e for e in run.metrics if e["event"] == "spare_lost"]
+    assert (lost["launch_rank"], lost["spares"]) == (2, 0) and lost["iteration"] >= 5
+    assert f"> launch rank 2, a spare, was lost after iteration {lost['iteration']}; 0 " \
+        "spare(s) left" in run.stdout
+    assert len([e for e in run.metrics if e["event"] == "recovery"]) == 1
 
 
 def test_two_failures_in_different_pipelines_and_a_hang(small_data, tmp_path):

@@ -8,8 +8,7 @@ import re
 import pytest
 
 from chameleon_ext.planning.perf_model import ModelShape
-from tests.launch import (SMALL_MODEL, assert_close, failure_free_losses, last_losses,
-                          run_chameleon)
+from tests.launch import SMALL_MODEL, assert_close, last_losses, reference_run, run_chameleon
 from tests.profiles import synthetic_profile
 
 pytestmark = pytest.mark.slow
@@ -24,8 +23,10 @@ def common(data: str, pp: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def references(small_data, tmp_path_factory):
-    return failure_free_losses(lambda pp: common(small_data, pp), tmp_path_factory)
+def reference(small_data, tmp_path_factory) -> list[float]:
+    """The failure-free losses of pipeline 2 x data 2 under torchrun: every layout's here (the
+    losses do not depend on it: tests/dist/test_layout_equivalence.py)."""
+    return reference_run(4, common(small_data, 2), tmp_path_factory.mktemp("ref"), ITERS).losses()
 
 
 # pipeline depth, killed rank: pp2 x dp2 loses pipeline 1's last stage; pp4 x dp2 (one layer a
@@ -37,7 +38,7 @@ CASES = [(s, "pp2xdp2") for s in ("reroute", "takeover", "reparallelize", "resta
 
 
 @pytest.mark.parametrize("strategy,layout", CASES, ids=[f"{s}-{lay}" for s, lay in CASES])
-def test_each_strategy_keeps_the_loss_trajectory(references, small_data, tmp_path, strategy,
+def test_each_strategy_keeps_the_loss_trajectory(reference, small_data, tmp_path, strategy,
                                                  layout):
     pp, victim = LAYOUTS[layout]
     run = run_chameleon(2 * pp, common(small_data, pp) + [
@@ -46,7 +47,7 @@ def test_each_strategy_keeps_the_loss_trajectory(references, small_data, tmp_pat
         "--chameleon-inject", f"kill:rank={victim},iter=5,phase=backward"], tmp_path, name=strategy)
     assert run.returncode == 0, run.stderr[-3000:]
     events = run.metrics
-    assert_close(last_losses(events), references(pp))
+    assert_close(last_losses(events), reference)
     iters = {e["iteration"]: e for e in events if e["event"] == "iteration"}
     assert sorted(iters) == list(range(1, ITERS + 1))
     assert [iters[i]["consumed_samples"] for i in sorted(iters)] == \
@@ -76,7 +77,7 @@ def assert_memory_within_estimates(events: list[dict]) -> None:
         assert max(r["measured_bytes"] for r in ranks) <= 1.1 * chosen[0]["memory_mib"] * 2**20
 
 
-def test_the_hybrid_reroutes_then_restarts_onto_the_replanned_layout(references, small_data,
+def test_the_hybrid_reroutes_then_restarts_onto_the_replanned_layout(reference, small_data,
                                                                      tmp_path):
     """reroute+restart: the kill at iteration 5 is rerouted; after the checkpoint of iteration
     6 every rank leaves that world and the plan the planner found best for the survivors
@@ -87,7 +88,7 @@ def test_the_hybrid_reroutes_then_restarts_onto_the_replanned_layout(references,
         "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"], tmp_path, name="hybrid")
     assert run.returncode == 0, run.stderr[-3000:]
     events = run.metrics
-    assert_close(last_losses(events), references(2))
+    assert_close(last_losses(events), reference)
     rec = next(e for e in events if e["event"] == "recovery")
     assert rec["strategy"] == "reroute+restart" and rec["switch"]["at_iteration"] == 6
     switch = next(e for e in events if e["event"] == "switch")
@@ -98,7 +99,7 @@ def test_the_hybrid_reroutes_then_restarts_onto_the_replanned_layout(references,
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
 
 
-def test_eager_redundancy_takeover_moves_no_state(references, small_data, tmp_path):
+def test_eager_redundancy_takeover_moves_no_state(reference, small_data, tmp_path):
     """--chameleon-redundancy eager: the lost last stage of pipeline 1 is absorbed by the
     stage that held its shadow copy, so no parameter or optimizer state moves, and the shadow
     it took over was exactly the lost stage's state (losses and replicas still match)."""
@@ -107,7 +108,7 @@ def test_eager_redundancy_takeover_moves_no_state(references, small_data, tmp_pa
         "--chameleon-inject", "kill:rank=3,iter=5,phase=backward"], tmp_path, name="eager")
     assert run.returncode == 0, run.stderr[-3000:]
     events = run.metrics
-    assert_close(last_losses(events), references(2))
+    assert_close(last_losses(events), reference)
     rec = next(e for e in events if e["event"] == "recovery")
     assert rec["strategy"] == "takeover" and rec["moved_bytes"] == 0
     assert "now 1 stage(s)" in run.stdout
@@ -117,7 +118,7 @@ def test_eager_redundancy_takeover_moves_no_state(references, small_data, tmp_pa
 
 @pytest.mark.parametrize("strategy,extra", [("reroute", []), ("takeover", ["--sequence-parallel"])],
                          ids=["reroute", "takeover-sequence-parallel"])
-def test_a_lost_tensor_parallel_rank_takes_its_group_out(references, small_data, tmp_path,
+def test_a_lost_tensor_parallel_rank_takes_its_group_out(reference, small_data, tmp_path,
                                                          strategy, extra):
     """TP 2 x PP 2 x DP 2 loses rank 3, one shard of pipeline 1's first stage: the group is
     the unit, so its healthy sibling, rank 2, leaves the plan with it (a spare until the end,
@@ -135,7 +136,7 @@ def test_a_lost_tensor_parallel_rank_takes_its_group_out(references, small_data,
         "--chameleon-progress-timeout", "15", *extra], tmp_path, name=f"tp-{strategy}")
     assert run.returncode == 0, run.stderr[-3000:]
     events = run.metrics
-    assert_close(last_losses(events), references(2))
+    assert_close(last_losses(events), reference)
     rec = next(e for e in events if e["event"] == "recovery")
     assert (rec["strategy"], rec["world"]) == (strategy, 6)
     if strategy == "takeover":
@@ -160,7 +161,7 @@ def spare_profile(tmp_path) -> str:
 @pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer",
                                        "--num-distributed-optimizer-instances", "2"]],
                          ids=["replicated", "sharded-2-instances"])
-def test_a_spare_stands_by_and_substitutes_for_the_next_loss(references, small_data, tmp_path,
+def test_a_spare_stands_by_and_substitutes_for_the_next_loss(reference, small_data, tmp_path,
                                                              extra):
     """Warm spares: the restart after rank 3's loss at iteration 2 runs on 2 of the 3 survivors
     (data parallel 2, as the given profile predicts fastest), and launch rank 2 stands by,
@@ -179,7 +180,7 @@ def test_a_spare_stands_by_and_substitutes_for_the_next_loss(references, small_d
         "--chameleon-inject", "kill:rank=1,iter=6,phase=checkpoint"], tmp_path, name="spare")
     assert run.returncode == 0, run.stderr[-3000:]
     events = run.metrics
-    assert_close(last_losses(events), references(2))
+    assert_close(last_losses(events), reference)
     first, second = [e for e in events if e["event"] == "recovery"]
     assert (first["strategy"], first["world"], first["spares"]) == ("restart", 2, 1)
     assert (second["strategy"], second["world"], second["spares"]) == ("substitute", 2, 0)
@@ -195,7 +196,7 @@ def test_a_spare_stands_by_and_substitutes_for_the_next_loss(references, small_d
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
 
 
-def test_when_every_member_is_lost_the_spare_restarts_from_the_checkpoint(references, small_data,
+def test_when_every_member_is_lost_the_spare_restarts_from_the_checkpoint(reference, small_data,
                                                                          tmp_path):
     """After the restart onto 2 ranks (launch rank 2 a spare), both members die in iteration
     6: nobody holds the state, so the spare restarts alone from the checkpoint of iteration 3
@@ -207,7 +208,7 @@ def test_when_every_member_is_lost_the_spare_restarts_from_the_checkpoint(refere
         "--chameleon-inject", "kill:rank=0,iter=6,phase=backward",
         "--chameleon-inject", "kill:rank=1,iter=6,phase=backward"], tmp_path, name="spares")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert_close(last_losses(run.metrics), references(2))
+    assert_close(last_losses(run.metrics), reference)
     assert re.search(r"launch rank 2 left the spares for the restart plan after iteration 3: "
                      r"rank 0 of 1, generation \d+ \(every rank of the plan was lost; the "
                      r"spares read the checkpoint\)", run.stdout), run.stdout[-3000:]

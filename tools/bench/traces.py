@@ -14,7 +14,7 @@ repeats ((largest - smallest) / mean), the host seconds of its in-process transi
 predicted, beside the paper's 1.229 (Oobleck) and 1.355 (ReCycle).
 
     python tools/bench/traces.py [--ranks 8] [--iters 48] [--every 12] [--poisson 12]
-        [--repair 12] [--dilation 33] [--profile PROFILE.json] [--repeats 1]
+        [--repair 9] [--dilation 33] [--profile PROFILE.json] [--repeats 1]
         [--save-runs RUNS.json]
     python tools/bench/traces.py --from-runs RUNS.json    # the same runs, predicted again
 """
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poisson", type=float, default=None, metavar="MEAN",
                    help="also a Poisson trace of this mean interval, in iterations")
     p.add_argument("--repair", type=int, default=None,
-                   help="iterations until a killed slot starts again (default: --every); "
-                        "0: never")
+                   help="iterations until a killed slot starts again (default: 3/4 of "
+                        "--every); 0: never")
     p.add_argument("--dilation", type=float, default=33.0,
                    help="--chameleon-emulate-dilation (default 33: valid at 8 ranks here)")
     p.add_argument("--profile", type=Path, default=None,
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(a: argparse.Namespace, work: Path) -> executed.Comparison:
-    repair = a.every if a.repair is None else (a.repair or None)
+    repair = executed.default_repair(a.every) if a.repair is None else (a.repair or None)
     data = ensure_builtin_dataset(quiet=True, progress=False)
     profile = a.profile or executed.default_profile(work / "device.json")
     c = executed.Config(a.ranks, a.pipeline, a.dilation, profile, data, a.every)

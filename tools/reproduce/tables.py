@@ -454,7 +454,8 @@ def traces_table(ctx: Context) -> Section:
 # are the fewest around its kill at 6: the calibration's warm-up before it (executed.FIRST_KILL),
 # the margin to recover after it (LAST_MARGIN).
 EXECUTED_QUICK = dict(iterations=9, every=6, repair=None, dilation=3.0, poisson=False)
-EXECUTED_FULL = dict(iterations=48, every=12, repair=12, dilation=33.0, poisson=True)
+EXECUTED_FULL = dict(iterations=48, every=12, repair=executed.default_repair(12), dilation=33.0,
+                     poisson=True)
 
 
 def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
