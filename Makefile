@@ -31,7 +31,8 @@ test: data
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q --durations=20
 
 # The paper's tables and plots: results/REPORT.md, a CSV per table, PNGs (about an hour on 2 cores,
-# plus table 2's simulated traces: 11.5 min of one core per seed, 20 seeds; see the README).
+# plus table 2's simulated traces: 11.5 min of one core per seed, 20 seeds, one process per core;
+# see the README).
 reproduce: data
 	OMP_NUM_THREADS=1 $(PY) -m tools.reproduce all --out results
 
