@@ -270,6 +270,19 @@ def assert_close(a: list[float], b: list[float], rel: float = 1e-5) -> None:
         assert abs(x - y) <= rel * abs(y), f"iteration {i + 1}: loss {x} vs {y}"
 
 
+def assert_memory_within_estimates(events: list[dict]) -> None:
+    """Each rank's measured memory (state, shadow copies, the most activations held at once)
+    is within 10% of the final plan's estimate, and the largest within 10% of what the
+    recovery predicted for the plan it chose, before it ran."""
+    ranks = next(e for e in events if e["event"] == "memory")["ranks"]
+    for r in ranks:
+        assert r["measured_bytes"] <= 1.1 * r["estimated_bytes"], r
+    rec = next(e for e in events if e["event"] == "recovery")
+    chosen = [c for c in rec["candidates"] if c["strategy"] == rec["strategy"]]
+    if chosen:
+        assert max(r["measured_bytes"] for r in ranks) <= 1.1 * chosen[0]["memory_mib"] * 2**20
+
+
 def last_losses(events: list[dict]) -> list[float]:
     """Loss per iteration, the last run of each (a restart runs some iterations again)."""
     by_it = {e["iteration"]: e["loss"] for e in events if e["event"] == "iteration"}

@@ -54,6 +54,9 @@ STORE_ENV = "CHAMELEON_STORE"
 HEARTBEAT_ENV = "CHAMELEON_HEARTBEAT_TIMEOUT"
 JOIN_ENV = "CHAMELEON_JOIN"     # "1": a restarted worker, joining a running job
 JOIN_AT_ENV = "CHAMELEON_JOIN_AT"  # a restarted worker asks to join from this time (epoch s) on
+# the launcher's --restart-delay in seconds, where it restarts failed workers (--max-restarts)
+# after one: how long a lost slot stays empty, for the planner's repair time
+RESTART_DELAY_ENV = "CHAMELEON_RESTART_DELAY"
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 ROOT = "chameleon"
 

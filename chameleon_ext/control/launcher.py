@@ -46,7 +46,8 @@ new rank (world size + the job's restart count, from the store's ``chameleon/nex
 CHAMELEON_JOIN=1: the failed rank stays failed, and the new one asks to join the running job
 (pretrain_gpt.py --chameleon admits it at an iteration boundary; see megatron.elastic.manager).
 --restart-delay S keeps the slot empty for S seconds first (a repair time, as a failure trace
-states one); a restart still due when the node's last worker ends is dropped. With
+states one; the workers read it, CHAMELEON_RESTART_DELAY, as the planner's repair time until the
+job has measured a rejoin); a restart still due when the node's last worker ends is dropped. With
 --start-ahead A the replacement starts A seconds before the delay ends (at once if A >= S) and
 asks to join only when the delay has passed (CHAMELEON_JOIN_AT), so its start-up is not counted
 in the repair time; it exits 0 if the job ends first.

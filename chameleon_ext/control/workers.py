@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, sta
 from chameleon_ext.control.agent_log import log
 from chameleon_ext.control.agent_store import AgentStore, StoreGuard
 from chameleon_ext.control.keys import (HEARTBEAT_ENV, JOIN_AT_ENV, JOIN_ENV, KEY_NEXT_MEMBER,
-                                        STORE_ENV, key_node, key_worker)
+                                        RESTART_DELAY_ENV, STORE_ENV, key_node, key_worker)
 from chameleon_ext.control.launch_config import LaunchConfig
 
 
@@ -62,6 +62,10 @@ class Workers:
                 HEARTBEAT_ENV: repr(float(c.heartbeat_timeout_s)),
                 "CHAMELEON_NODE_RANK": str(self.node),
             }
+            if c.max_restarts > 0 and c.restart_delay_s > 0:
+                # a lost slot comes back after the delay: the repair time the planner weighs
+                # (a zero delay says no more than the start-up, which the job measures)
+                e[RESTART_DELAY_ENV] = repr(float(c.restart_delay_s))
             if opened.host is not None:     # a TCPStore: env:// can rendezvous on it
                 e.update({"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": opened.host,
                           "MASTER_PORT": str(opened.port)})

@@ -30,7 +30,10 @@ after k iterations (the interrupted one, run again, included), costs
 and is a candidate only when k is within the horizon.
 
 With a repair time R (the lost slot comes back R after the failure; math.inf: not within the
-job) the planner weighs the failure-repair cycle. Failures are exponential at rate
+job) the planner weighs the failure-repair cycle. Where an earlier loss's slot is not back yet,
+it comes back first, R after that loss (`next_repair`): R is then the time until it (0 where
+it is due: its joiner waits for its admission), since whatever the failure's plan, the job
+moves again then. Failures are exponential at rate
 lambda = 1 / MTBF (0 without one); the repair comes at R; training ends at D = remaining
 iterations x pace (the failure-free iteration time). The window ends at the first of the three;
 with H = min(R, D):
@@ -116,8 +119,9 @@ class Situation:
     failure_free_ms: float = 0.0       # iteration time before the failure (the window's pace)
     save_interval: int = 0             # a checkpoint after every multiple (0: no periodic saves)
     eager_redundancy: bool = False     # stages hold shadow copies (strategies.redundancy)
-    # the lost slot is back this long after the failure (math.inf: not within the job); None:
-    # unknown, and the horizon-only rule decides (module docstring)
+    # a lost slot is back this long after the failure, this one's or sooner an earlier loss's
+    # (next_repair; math.inf: not within the job); None: unknown, and the horizon-only rule
+    # decides (module docstring)
     repair_hours: float | None = None
     # the job's losses so far: (those whose next loss came before their repair, those whose
     # outcome is known); (0, 0): no record, the exponential law's chance alone
@@ -134,6 +138,13 @@ def failure_record(failed_at: list[float], repair: float, now: float) -> tuple[i
         hits += after < at + repair
         known += after < at + repair or at + repair <= now
     return hits, known
+
+
+def next_repair(repair: float, unrepaired: list[float], now: float) -> float:
+    """The time from `now` until a lost slot is back, in `repair`'s unit: this failure's after
+    `repair`, or sooner the slot of an earlier loss at `unrepaired` that no joiner has taken
+    back yet (each back `repair` after it; 0 where that is past: its joiner is due)."""
+    return max(0.0, min([repair, *(at + repair - now for at in unrepaired)]))
 
 
 class _Scheduled:

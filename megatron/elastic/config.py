@@ -115,9 +115,12 @@ class ElasticConfig:
     shard_redundancy: ShardRedundancy = "none"
     # --chameleon-mtbf: the planner's horizon (None: the failure rate observed in this job)
     mtbf_hours: float | None = None
-    # --chameleon-repair-minutes: how long a lost slot takes to come back (None: the launcher's
-    # --restart-delay if known, else measured from this job's rejoins)
+    # --chameleon-repair-minutes: how long a lost slot takes to come back (None: measured from
+    # this job's rejoins; before the first, the launcher's restart delay below)
     repair_minutes: float | None = None
+    # chameleon-launch's --restart-delay in seconds where it restarts lost workers (None: it
+    # does not, or says nothing: a zero delay)
+    restart_delay_s: float | None = None
     profile: str | None = None               # --chameleon-profile: a profile to plan with first
     emulate: str | None = None               # --chameleon-emulate: the emulated device's profile
     emulate_storage_mib_per_s: float = STORAGE_MIB_PER_S    # --chameleon-emulate-storage

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Callable, get_args
 
-from chameleon_ext.control.keys import DEFAULT_HEARTBEAT_TIMEOUT, HEARTBEAT_ENV
+from chameleon_ext.control.keys import DEFAULT_HEARTBEAT_TIMEOUT, HEARTBEAT_ENV, RESTART_DELAY_ENV
 from chameleon_ext.control.faults import FaultSpecError, parse_injects
 from chameleon_ext.planning.perf_model import Profile, ProfileError
 from megatron.elastic.config import (ConfigError, ElasticConfig, Executor, Redundancy,
@@ -307,7 +307,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="how long a lost GPU's slot takes to come back (a repair or a "
                         "replacement), for the planner's window: the next event is a failure "
                         "or a repair, whichever comes first (default: measured from this "
-                        "job's rejoins)")
+                        "job's rejoins; before the first, chameleon-launch's --restart-delay "
+                        "where it restarts lost workers)")
     g.add_argument("--chameleon-profile", default=None, metavar="PATH",
                    help="performance-model profile (JSON, e.g. from tools/profile_model.py) to "
                         "plan with until this job's own timers have calibrated one")
@@ -479,6 +480,9 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             redundancy=args.chameleon_redundancy, mtbf_hours=args.chameleon_mtbf,
             shard_redundancy=args.chameleon_shard_redundancy,
             repair_minutes=args.chameleon_repair_minutes,
+            # chameleon-launch's --restart-delay, handed to its workers in the environment
+            restart_delay_s=float(os.environ[RESTART_DELAY_ENV])
+            if os.environ.get(RESTART_DELAY_ENV) else None,
             profile=args.chameleon_profile, emulate=args.chameleon_emulate,
             emulate_storage_mib_per_s=args.chameleon_emulate_storage,
             emulate_dilation=args.chameleon_emulate_dilation, inject=inject,

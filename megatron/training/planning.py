@@ -66,10 +66,13 @@ class JobClock:
     mtbf_hours: float | None           # --chameleon-mtbf (None: this job's failure rate)
     eager_redundancy: bool
     # --chameleon-repair-minutes (None: the median of this job's rejoins, once there is one;
-    # before, the planner's horizon rule)
+    # before, the launcher's restart delay, else the planner's horizon rule)
     repair_minutes: float | None = None
+    restart_delay_s: float | None = None   # ElasticConfig.restart_delay_s
     started: float = field(default_factory=time.monotonic)
     failed_at: list[float] = field(default_factory=list)   # monotonic seconds of each loss
+    # monotonic seconds of the loss of each rank no joiner has taken back yet, oldest first
+    unrepaired: list[float] = field(default_factory=list)
     iteration_ms: list[float] = field(default_factory=list)
     repairs_s: list[float] = field(default_factory=list)   # failure -> rejoin, measured
 
@@ -77,20 +80,27 @@ class JobClock:
     def failures(self) -> int:
         return len(self.failed_at)
 
-    def rejoined(self, seconds_since_failure: float) -> None:
-        """A lost rank came back `seconds_since_failure` after its failure."""
-        self.repairs_s.append(seconds_since_failure)
+    def rejoined(self, joiners: int = 1) -> None:
+        """`joiners` ranks came back (admitted into the plan or standing by as spares): each
+        takes back the oldest loss not yet taken back, its repair time measured."""
+        now = time.monotonic()
+        for _ in range(min(joiners, len(self.unrepaired))):
+            self.repairs_s.append(now - self.unrepaired.pop(0))
 
     def repair_hours(self) -> float | None:
         if self.repair_minutes is not None:
             return self.repair_minutes / 60.0
-        return statistics.median(self.repairs_s) / 3600.0 if self.repairs_s else None
+        if self.repairs_s:  # failure to admission, measured: the delay and what it leaves out
+            return statistics.median(self.repairs_s) / 3600.0
+        return None if self.restart_delay_s is None else self.restart_delay_s / 3600.0
 
-    def lost(self, seconds_ago: float = 0.0) -> None:
-        """A failure (one or more ranks lost at once) `seconds_ago` seconds ago. Every rank
+    def lost(self, seconds_ago: float = 0.0, ranks: int = 1) -> None:
+        """A failure (`ranks` ranks lost at once) `seconds_ago` seconds ago. Every rank
         records each one after its transition, so whichever rank leads the next decision
         knows them all; a decision retried, or an admission's plan, records none."""
-        self.failed_at.append(time.monotonic() - seconds_ago)
+        at = time.monotonic() - seconds_ago
+        self.failed_at.append(at)
+        self.unrepaired += [at] * ranks
 
     def situation(self, iteration: int) -> Situation:
         """At a failure during `iteration`: the failures so far and this one."""
@@ -116,8 +126,16 @@ class JobClock:
                          save_interval=(self.checkpoint.save_interval or 0)
                          if self.checkpoint.save else 0,
                          eager_redundancy=self.eager_redundancy,
-                         repair_hours=self.repair_hours(),
+                         repair_hours=self._next_repair_hours(),
                          failure_record=self._failure_record(failed_at))
+
+    def _next_repair_hours(self) -> float | None:
+        """Until a lost slot is back: this failure's, or an earlier one's still out
+        (planner.next_repair)."""
+        repair = self.repair_hours()
+        if repair is None:
+            return None
+        return planner.next_repair(repair * 3600.0, self.unrepaired, time.monotonic()) / 3600.0
 
     def _failure_record(self, failed_at: list[float]) -> tuple[int, int]:
         """planner.Situation.failure_record of the losses at `failed_at`; none without a

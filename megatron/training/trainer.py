@@ -132,7 +132,7 @@ class Trainer:
                                                base, compute_clock)
             self.clock = planning.JobClock(config.checkpoint, config.training.train_iters,
                                            elastic.mtbf_hours, elastic.eager,
-                                           elastic.repair_minutes)
+                                           elastic.repair_minutes, elastic.restart_delay_s)
             self.elastic = ElasticManager(
                 elastic, store, injector, Planning(self.calibration.profile, self.clock.situation,
                                                   self.clock.outlook),
@@ -225,7 +225,6 @@ class Trainer:
             gc.disable()
         self.exits = ExitConditions(training, elastic.enabled)
         self.stopped: ExitVerdict | None = None   # an exit condition ended training early
-        self.lost_at: list[float] = []   # when each loss not yet repaired by a joiner happened
         self.reporter = Reporter(log, training.train_iters, config.model.seq_length,
                                  lead=self.rank == 0 and not joining,
                                  flops_per_sample=_flops_per_sample(shape, config.model)
@@ -476,15 +475,16 @@ class Trainer:
             self.reporter.switched(t, it)
 
     def _admit(self) -> None:
+        before = {*self.elastic.alive, *self.elastic.spares}
         t = self._transition(Admission(self.iteration), self.pending[1:])
         lost = self._lost_during(t, "admission")
         # Reported also when every joiner stands by as a spare (the world was rebuilt), unless
         # a loss made it a recovery, reported as one.
         if t.decision.joined or not lost:
             self.reporter.rejoined(t, self.iteration)
-        # The planner's repair time, measured: each joiner repairs the oldest loss.
-        for _ in t.decision.joined[:len(self.lost_at)]:
-            self.clock.rejoined(time.time() - self.lost_at.pop(0))
+        # The planner's repair time, measured: each joiner back, in the plan or a spare,
+        # repairs the oldest loss.
+        self.clock.rejoined(len({*self.elastic.alive, *self.elastic.spares} - before))
 
     def _lost_during(self, t, during: str) -> bool:
         """Ranks lost during a planned transition make it a recovery: reported as one."""
@@ -499,9 +499,8 @@ class Trainer:
     def _record_loss(self, t) -> None:
         """The ranks transition `t` lost: each to be repaired by a joiner, and one failure in
         the planner's record."""
-        self.lost_at += [t.first_notice] * len(t.failed)
         if t.failed and self.clock is not None:
-            self.clock.lost(time.time() - t.first_notice)
+            self.clock.lost(time.time() - t.first_notice, len(t.failed))
 
     def _report_shadows(self) -> None:
         mine = (self.built.shadows.held_bytes,

@@ -4,8 +4,8 @@ every iteration with the failure-free losses."""
 
 import pytest
 
-from tests.launch import (SMALL_MODEL, TimedKills, assert_close, failure_free_losses, free_port,
-                          last_losses, run_chameleon, run_job)
+from tests.launch import (SMALL_MODEL, TimedKills, assert_close, assert_memory_within_estimates,
+                          failure_free_losses, free_port, last_losses, run_chameleon, run_job)
 
 pytestmark = pytest.mark.slow
 REROUTE = ["--chameleon", "--chameleon-strategy", "reroute"]  # not the default, auto
@@ -58,6 +58,7 @@ def test_kill_at_iteration_5_keeps_the_loss_trajectory(references, small_data, t
     assert f"> recovery at iteration 5: lost launch rank(s) [{victim}]" in out
     replicas = [e for e in events if e["event"] == "replicas"]
     assert replicas and replicas[0]["identical"] and replicas[0]["parameters"] > 10
+    assert_memory_within_estimates(events)   # the rerouted micro-batches' activations too
     # detection within the issue's 1 s; reconfiguration far below the training groups' 5 s
     # timeout (a survivor left waiting on a collective would show here)
     assert failure[0]["detect_ms"] < 1000 and recovery[0]["reconfigure_ms"] < 2500

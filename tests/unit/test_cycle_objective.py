@@ -6,9 +6,12 @@ rejoin decision; and chameleon-plan's --repair-minutes."""
 import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
+from chameleon_ext.control.launch_config import LaunchConfig
+from chameleon_ext.control.workers import Workers
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.planning.cli import main
 from chameleon_ext.planning.perf_model import MIB, ModelShape, predict_plan, stage_params, \
@@ -18,7 +21,9 @@ from chameleon_ext.planning.planner import (STATE_BYTES_PER_PARAM, Situation, ca
                                             rejoin_choice, window)
 from chameleon_ext.planning.strategies import REGISTRY, Context
 from chameleon_ext.planning.strategies.rejoin import overlay
+from megatron.training.arguments import parse_config
 from megatron.training.config import CheckpointConfig
+from megatron.training import planning as job_planning
 from megatron.training.planning import JobClock
 from tests.profiles import synthetic_profile
 
@@ -283,14 +288,74 @@ def test_a_rejoin_waits_for_a_near_checkpoint_when_moving_state_costs_more():
 
 
 # ---- the job's clock ----------------------------------------------------------------------------
-def test_the_job_clock_tells_the_repair_time_given_or_measured():
+@pytest.fixture
+def now(monkeypatch) -> list[float]:
+    """The job clock's monotonic time, set by the test."""
+    t = [10_000.0]
+    monkeypatch.setattr(job_planning.time, "monotonic", lambda: t[0])
+    return t
+
+
+def test_the_job_clock_tells_the_repair_time_given_or_measured(now):
     ckpt = CheckpointConfig()
     assert JobClock(ckpt, 100, 1.0, False, 30.0).situation(5).repair_hours == 0.5
     clock = JobClock(ckpt, 100, 1.0, False)
     assert clock.situation(5).repair_hours is None   # unknown: the horizon rule
-    for seconds in (600.0, 1200.0, 7200.0):
-        clock.rejoined(seconds)
+    for seconds in (600.0, 1200.0, 7200.0):           # each loss taken back this much later
+        clock.lost()
+        now[0] += seconds
+        clock.rejoined()
+    assert clock.repairs_s == [600.0, 1200.0, 7200.0]
     assert clock.situation(6).repair_hours == pytest.approx(1200.0 / 3600)
+
+
+def test_an_earlier_loss_still_out_ends_the_window_at_its_return(now):
+    """--chameleon-repair-minutes 10: a rank lost 8 minutes ago is back in 2, before the slot of
+    a failure now; once a joiner took it back (into the plan or as a spare) this failure's 10
+    minutes are left; a slot overdue (its joiner waits for its admission) leaves none."""
+    clock = JobClock(CheckpointConfig(), 100, 1.0, False, 10.0)
+    clock.lost()
+    now[0] += 480.0
+    assert clock.situation(5).repair_hours == pytest.approx(2 / 60)
+    clock.rejoined(1)
+    assert clock.situation(6).repair_hours == pytest.approx(10 / 60)
+    clock.lost(ranks=2)                  # a tensor-parallel group: two ranks out at once
+    now[0] += 700.0
+    assert clock.situation(7).repair_hours == 0.0
+    clock.rejoined(1)
+    assert clock.situation(8).repair_hours == 0.0       # its sibling's slot is out still
+    clock.rejoined(5)                    # more joiners than losses: nothing more to repair
+    assert clock.repairs_s == [480.0, 700.0, 700.0]
+    assert clock.situation(9).repair_hours == pytest.approx(10 / 60)
+
+
+def test_the_launchers_restart_delay_is_the_repair_time_until_a_rejoin_is_measured(monkeypatch,
+                                                                                  now):
+    """chameleon-launch --max-restarts 1 --restart-delay 90: its workers' planner weighs a
+    90 s repair from the first failure on (the horizon rule would ignore the slot's return);
+    a measured rejoin, which counts the admission too, then takes over, and the flag above
+    both. A launcher that restarts nothing says nothing."""
+    def env(**launch) -> dict[str, str]:
+        w = Workers(LaunchConfig("pretrain_gpt.py", nproc_per_node=2, **launch),
+                    SimpleNamespace(addr="127.0.0.1:1", host=None, port=None), None, lambda: None)
+        return w._envs()[1]
+
+    assert "CHAMELEON_RESTART_DELAY" not in env(restart_delay_s=90.0)   # no restarts
+    assert "CHAMELEON_RESTART_DELAY" not in env(max_restarts=1)         # no delay
+    for k, v in env(max_restarts=1, restart_delay_s=90.0).items():
+        monkeypatch.setenv(k, v)
+    elastic = parse_config(["--num-layers", "4", "--mock-data", "--chameleon"],
+                           world_size=1).elastic
+    assert elastic.restart_delay_s == 90.0
+    clock = JobClock(CheckpointConfig(), 100, 1.0, False, elastic.repair_minutes,
+                     elastic.restart_delay_s)
+    assert clock.situation(5).repair_hours == pytest.approx(90.0 / 3600)
+    clock.lost()
+    now[0] += 120.0
+    clock.rejoined()
+    assert clock.situation(6).repair_hours == pytest.approx(120.0 / 3600)
+    assert JobClock(CheckpointConfig(), 100, 1.0, False, 30.0, 90.0).situation(5).repair_hours \
+        == 0.5
 
 
 # ---- chameleon-plan -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.planning.perf_model import (ModelShape, Profile, predict, predict_homogeneous,
                                       predict_plan, switch_ms, transition_ms)
-from chameleon_ext.planning.planner import Situation, candidates, choose, replan
+from chameleon_ext.planning.planner import Situation, candidates, choose, next_repair, replan
 from chameleon_ext.planning.strategies.base import (balanced_layers, balanced_layers_by_depth,
                                            stage_cost_ms, with_layers)
 from chameleon_ext.planning.strategies.restart import _iteration_bound
@@ -260,6 +260,22 @@ def test_no_hybrid_without_periodic_saves_or_past_the_horizon():
     assert "reroute+restart" not in {c.strategy for c in late}
     just = pp4_dp2_losing_a_middle_stage(save_interval=200, remaining_iterations=99)
     assert "reroute+restart" in {c.strategy for c in just}
+
+
+def test_a_slot_due_back_before_the_next_save_rules_out_the_hybrid():
+    """With a repair of an hour the hybrid still wins (its switch after 3 iterations of 60 ms
+    pays over the window). An earlier loss whose slot is back in 2 iterations ends the window
+    then (next_repair): the job moves again before the hybrid's save, so it reroutes now."""
+    hour = 3.6e6
+    assert choose(pp4_dp2_losing_a_middle_stage(repair_hours=1.0)).strategy == \
+        "reroute+restart"
+    soon = next_repair(hour, [0.0], hour - 120.0) / hour
+    assert soon == pytest.approx(120.0 / hour)
+    ranked = pp4_dp2_losing_a_middle_stage(repair_hours=soon)
+    assert "reroute+restart" not in {c.strategy for c in ranked}
+    assert choose(ranked).strategy == "reroute"
+    assert next_repair(hour, [0.0], 2 * hour) == 0.0         # overdue: its joiner is due
+    assert next_repair(hour, [], 5.0) == hour                 # none out: this failure's
 
 
 def test_a_fresh_checkpoint_still_means_restart_now():

@@ -349,6 +349,22 @@ def test_a_loss_is_filled_from_the_gpus_the_plan_left_out():
     assert (per_sample(job.iteration_ms), per_sample(alone.iteration_ms)) == (2.24, 2.62)
 
 
+def test_the_simulated_job_tells_the_planner_when_an_earlier_loss_is_back():
+    """As the job's clock does (planning.JobClock): a GPU lost 24 minutes ago, with a 1 h
+    repair, is back in 36 minutes, before a failure now would be repaired; once it has
+    rejoined, a failure's own hour is left."""
+    s = cluster.setup("1.3B")
+    job = simulate._Job(s, simulate.POLICIES[0], traces.Trace("losses", 3.0, 1.0, 1.0, ()),
+                        simulate.Costs(30, 5))
+    job.advance(0.5 * 3.6e6)
+    job.fail(18)
+    assert job.situation().repair_hours == pytest.approx(1.0)   # at its own failure
+    job.advance(0.9 * 3.6e6)
+    assert job.situation().repair_hours == pytest.approx(0.6)
+    job.rejoin(18)
+    assert job.situation().repair_hours == pytest.approx(1.0)
+
+
 def hourly_loss_of_13b() -> tuple[cluster.Setup, set[int], Situation]:
     """13B at tp 4 (2 pipelines x 4 stages) loses GPU 15 mid-interval; failures every hour
     on average, each GPU back after 1 h."""

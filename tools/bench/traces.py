@@ -15,7 +15,7 @@ predicted, beside the paper's 1.229 (Oobleck) and 1.355 (ReCycle).
 
     python tools/bench/traces.py [--ranks 8] [--iters 48] [--every 12] [--poisson 12]
         [--repair 9] [--dilation 33] [--profile PROFILE.json] [--repeats 1]
-        [--save-runs RUNS.json]
+        [--save-runs RUNS.json] [--workdir DIR]
     python tools/bench/traces.py --from-runs RUNS.json    # the same runs, predicted again
 """
 
@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-runs", type=Path, default=None, metavar="FILE",
                    help="run nothing: the measurements --save-runs wrote, predicted again "
                         "(the other options are then those runs')")
+    p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
+                   help="keep the runs' plans and metrics (JSON lines) there (default: a "
+                        "temporary directory, removed at the end)")
     a = p.parse_args(argv)
     if not 4 <= a.ranks <= 32 or a.ranks % a.pipeline:
         return _fail(f"--ranks {a.ranks}: 4 to 32, a multiple of --pipeline {a.pipeline}")
@@ -78,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--profile {a.profile}: no such file")
     if a.from_runs is not None and not a.from_runs.is_file():
         return _fail(f"--from-runs {a.from_runs}: no such file")
+    if a.workdir is not None and a.workdir.exists() and any(a.workdir.iterdir()):
+        return _fail(f"--workdir {a.workdir}: not empty (the runs' files would mix)")
     with tempfile.TemporaryDirectory(prefix="traces-") as tmp:
-        work = Path(tmp)
+        work = Path(tmp) if a.workdir is None else a.workdir
+        work.mkdir(parents=True, exist_ok=True)
         if a.from_runs is not None:
             try:
                 cmp = executed.Comparison.from_json(a.from_runs.read_text(), work)

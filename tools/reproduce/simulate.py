@@ -50,7 +50,7 @@ from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.planning.perf_model import MIB, Profile, stage_params, switch_ms
 from chameleon_ext.planning.planner import (STRATEGIES, Candidate, Situation, Switch, candidates,
                                             choose, failure_record, moved_state_bytes,
-                                            rejoin_window, running_ms)
+                                            next_repair, rejoin_window, running_ms)
 from chameleon_ext.planning.strategies.base import state_survives
 from chameleon_ext.planning.strategies.redundancy import eager_cost
 from tools.reproduce.cluster import Setup
@@ -166,6 +166,7 @@ class _Job:
         self.t = self.resume = 0.0
         self.switch: tuple[float, Switch] | None = None
         self.failed_at: list[float] = []   # every loss so far, ms
+        self.down_since: dict[int, float] = {}   # a GPU lost and not back yet -> its loss, ms
         self.out = Outcome(policy.name, trace.name, trace.span_h, 0.0)
 
     # ---- time ---------------------------------------------------------------------------------
@@ -201,8 +202,9 @@ class _Job:
                         sw.transition_ms)
 
     def situation(self) -> Situation:
-        """As the job tells the planner at a failure: the trace's MTBF and repair time, the
-        iterations left in the span, the current pace."""
+        """As the job tells the planner at a failure: the trace's MTBF, the time until a lost
+        GPU is back (this failure's repair, or sooner an earlier loss's: planner.next_repair),
+        the iterations left in the span, the current pace."""
         done = int(self.out.iterations)
         ms = self.iteration_ms if self.plan is not None else self.ff_ms
         left = (self.trace.span_h * 3.6e6 - self.t) / ms
@@ -210,7 +212,10 @@ class _Job:
                          self.save_every, remaining_iterations=max(1, int(left)),
                          mtbf_hours=self.trace.mtbf_h, failure_free_ms=ms,
                          save_interval=self.save_every, eager_redundancy=self.policy.eager,
-                         repair_hours=self.trace.repair_h, failure_record=self.failure_record())
+                         repair_hours=next_repair(self.trace.repair_h * 3.6e6,
+                                                  [at for at in self.down_since.values()
+                                                   if at < self.t], self.t) / 3.6e6,
+                         failure_record=self.failure_record())
 
     def failure_record(self) -> tuple[int, int]:
         """As the job keeps it (planning.JobClock): the trace's losses so far."""
@@ -223,6 +228,7 @@ class _Job:
     def fail(self, gpu: int) -> None:
         self.up.discard(gpu)
         self.failed_at.append(self.t)
+        self.down_since[gpu] = self.t
         if self.plan is None or gpu not in self.gpus:
             return
         if self.policy.relaunch:
@@ -257,6 +263,7 @@ class _Job:
 
     def rejoin(self, gpu: int) -> None:
         self.up.add(gpu)
+        self.down_since.pop(gpu, None)
         if gpu in self.gpus:
             return  # admitted already: it took a lost place while it waited (substitute)
         if self.policy.relaunch and self.plan is not None:
