@@ -66,19 +66,43 @@ def spawn_ranks(worker: Callable, ranks, *args, timeout_s: float = 180) -> dict:
         return {r: pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in ranks}
 
 
+# Flags that change the layout, not the losses (tests/dist/test_layout_equivalence.py), and how
+# many values each takes; and --log-interval (every iteration's loss is in the metrics file).
+_NOT_IN_LOSSES = {"--pipeline-model-parallel-size": 1, "--tensor-model-parallel-size": 1,
+                  "--sequence-parallel": 0, "--log-interval": 1}
+_REFERENCES: dict[tuple[str, ...], list[float]] = {}
+
+
+def failure_free(args: list[str], tmp_path_factory) -> list[float]:
+    """The losses of `args` without a failure, on one process under plain torchrun (no
+    --chameleon): the independent reference that every layout of the same training is compared
+    with, since the losses do not depend on the layout. Run once per session for each training
+    and shared by the test modules that train alike."""
+    key = tuple(_without_layout(args))
+    if key not in _REFERENCES:
+        run = run_job(1, list(key), tmp_path_factory.mktemp("ref"), name="ref")
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.iterations() == list(range(1, len(run.iterations()) + 1))
+        _REFERENCES[key] = run.losses()
+    return _REFERENCES[key]
+
+
+def _without_layout(args: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(args):
+        skip = _NOT_IN_LOSSES.get(args[i])
+        if skip is None:
+            out.append(args[i])
+            i += 1
+        else:
+            i += 1 + skip
+    return out
+
+
 def failure_free_losses(args_of: Callable[[int], list[str]],
                         tmp_path_factory) -> Callable[[int], list[float]]:
-    """k -> the losses of `args_of(k)` on 2 * k processes under plain torchrun (no
-    --chameleon): the independent failure-free reference of a test module, each run once."""
-    cache: dict[int, list[float]] = {}
-
-    def get(k: int) -> list[float]:
-        if k not in cache:
-            run = run_job(2 * k, args_of(k), tmp_path_factory.mktemp(f"ref{k}"), name="ref")
-            assert run.returncode == 0, run.stderr[-3000:]
-            cache[k] = run.losses()
-        return cache[k]
-    return get
+    """k -> failure_free(args_of(k)): a module's references of several data-parallel widths."""
+    return lambda k: failure_free(args_of(k), tmp_path_factory)
 
 
 @dataclass

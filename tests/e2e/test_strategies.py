@@ -9,8 +9,8 @@ import re
 import pytest
 
 from chameleon_ext.planning.perf_model import ModelShape
-from tests.launch import (SMALL_MODEL, assert_close, assert_memory_within_estimates, last_losses,
-                          reference_run, run_chameleon)
+from tests.launch import (SMALL_MODEL, assert_close, assert_memory_within_estimates, failure_free,
+                          last_losses, run_chameleon)
 from tests.profiles import synthetic_profile
 
 pytestmark = pytest.mark.slow
@@ -26,9 +26,8 @@ def common(data: str, pp: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(small_data, tmp_path_factory) -> list[float]:
-    """The failure-free losses of pipeline 2 x data 2 under torchrun: every layout's here (the
-    losses do not depend on it: tests/dist/test_layout_equivalence.py)."""
-    return reference_run(4, common(small_data, 2), tmp_path_factory.mktemp("ref"), ITERS).losses()
+    """The failure-free losses: every layout's here (tests.launch.failure_free)."""
+    return failure_free(common(small_data, 2), tmp_path_factory)
 
 
 # pipeline depth, killed rank: pp2 x dp2 loses pipeline 1's last stage; pp4 x dp2 (one layer a
@@ -125,6 +124,7 @@ def test_a_lost_tensor_parallel_rank_takes_its_group_out(reference, small_data, 
         "--chameleon-inject", "kill:rank=3,iter=5,phase=backward",
         "--chameleon-progress-timeout", "15", *extra], tmp_path, name=f"tp-{strategy}")
     assert run.returncode == 0, run.stderr[-3000:]
+    assert ("sequence parallel" in run.stdout) == bool(extra)
     events = run.metrics
     assert_close(last_losses(events), reference)
     rec = next(e for e in events if e["event"] == "recovery")
