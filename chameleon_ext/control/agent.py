@@ -12,11 +12,10 @@ import signal
 import socket
 import time
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-
 from chameleon_ext.control.agent_log import log
 from chameleon_ext.control.agent_store import (AgentStore, StoreGuard, open_store,
                                                refuse_finished_job)
+from chameleon_ext.control.forkserver import WorkerStartError
 from chameleon_ext.control.keys import (KEY_ABORT, KEY_NEXT_MEMBER, key_agent_done, key_agent_hb,
                                         key_agent_left, key_job)
 from chameleon_ext.control.launch_config import LaunchConfig
@@ -184,9 +183,10 @@ class Agent:
         self._install_signals()
         try:
             return self._run()
-        except SignalException as e:     # a signal inside start_processes
-            self.stop_signal = self.stop_signal or int(e.sigval)
-            return self._interrupted()
+        except WorkerStartError as e:
+            log(f"node {self.node}: {e}; exit 1")
+            self._stop_workers(reason="no fork server", report=self.members is not None)
+            return 1
         finally:
             if self.workers is not None:
                 self.workers.close()
@@ -205,7 +205,7 @@ class Agent:
                  "started": start}))
         hb_interval = min(1.0, max(0.05, c.heartbeat_timeout_s / 5))
         self._beat()
-        w = self.workers = Workers(c, self.opened, self.guard, self._install_signals)
+        w = self.workers = Workers(c, self.opened, self.guard)
         self.watch = Watch(c, self.members, self.guard, w, hb_interval)
         w.start()
         last_hb = time.monotonic()

@@ -37,6 +37,9 @@ class LaunchConfig:
     log_dir: str | None = None          # each worker's stdout/stderr under it (and echoed)
     no_python: bool = False             # run the training script as an executable
     module: bool = False                # the training script is a python module (python -m)
+    # What the workers' fork server imports once before it forks them (forkserver.py): by
+    # default this stack's workers' libraries; () for none.
+    preload: tuple[str, ...] = ("megatron.training.preload",)
 
     def __post_init__(self) -> None:
         for flag, value in (("--nproc-per-node", self.nproc_per_node), ("--nnodes", self.nnodes)):

@@ -9,9 +9,10 @@
 One agent runs per node. The node-0 agent hosts the job's c10d TCPStore at master-addr:master-port
 unless --store names an external one: a TCPStore at HOST:PORT, or an etcd cluster
 (chameleon_ext.control.etcd_store), the one choice with which the job survives the loss of node 0 (a
-TCPStore dies with the process that hosts it). Workers are started with
-torch.distributed.elastic.multiprocessing.start_processes (each in its own session, so its whole
-process group can be signalled); their environment:
+TCPStore dies with the process that hosts it). Workers are forked by the agent's fork server
+(forkserver.py: it imports the --preload modules once; each worker leads its own session, so
+its whole process group can be signalled, and is the agent's child for SIGCHLD and waitpid);
+their environment:
 
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank), GROUP_WORLD_SIZE,
     ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT (0),
@@ -125,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the training script as an executable, not with python")
     p.add_argument("-m", "--module", action="store_true",
                    help="the training script is a python module (python -m)")
+    p.add_argument("--preload", default=",".join(LaunchConfig.preload), metavar="MODULES",
+                   help="comma-separated modules the workers' fork server imports once before "
+                        "it forks each worker (default: %(default)s, pretrain_gpt.py's "
+                        "libraries; '' for none)")
     p.add_argument("training_script")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -140,7 +145,8 @@ def _config(args: argparse.Namespace) -> LaunchConfig:
         restart_delay_s=args.restart_delay, start_ahead_s=args.start_ahead,
         heartbeat_timeout_s=args.heartbeat_timeout,
         store=args.store, store_timeout_s=args.store_timeout, join_timeout_s=args.join_timeout,
-        grace_s=args.grace, log_dir=args.log_dir, no_python=args.no_python, module=args.module)
+        grace_s=args.grace, log_dir=args.log_dir, no_python=args.no_python, module=args.module,
+        preload=tuple(m for m in args.preload.split(",") if m))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,48 +1,58 @@
-"""One node's worker processes: their environment, starting and restarting them (each in a
-session of its own, so its whole process group can be signalled), signalling and reaping them.
-Every worker's pid and host are published at ``chameleon/worker/{rank}`` as it starts."""
+"""One node's worker processes: their environment, starting and restarting them (forked by the
+node's fork server, each in a session of its own, so its whole process group can be signalled),
+signalling and reaping them. Every worker's pid and host are published at
+``chameleon/worker/{rank}`` as it starts."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import signal
 import socket
 import sys
-import tempfile
 import time
-from typing import Callable
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from chameleon_ext.control.agent_log import log
 from chameleon_ext.control.agent_store import AgentStore, StoreGuard
+from chameleon_ext.control.forkserver import ForkServer, StartRequest, WorkerProcess
 from chameleon_ext.control.keys import (HEARTBEAT_ENV, JOIN_AT_ENV, JOIN_ENV, KEY_NEXT_MEMBER,
                                         RESTART_DELAY_ENV, STORE_ENV, key_node, key_worker)
 from chameleon_ext.control.launch_config import LaunchConfig
+from chameleon_ext.control.poll import poll
 
 
 class Workers:
-    """The workers of node `config.node_rank`, by local rank. `reinstall_signals` runs after
-    each start (start_processes installs handlers that raise SignalException)."""
+    """The workers of node `config.node_rank`, by local rank, forked by a fork server that
+    starts with the first of them and serves the restarts too."""
 
-    def __init__(self, config: LaunchConfig, opened: AgentStore, guard: StoreGuard,
-                 reinstall_signals: Callable[[], None]):
+    def __init__(self, config: LaunchConfig, opened: AgentStore, guard: StoreGuard):
         self.config = config
         self.opened = opened
         self.guard = guard
-        self.reinstall_signals = reinstall_signals
         self.nproc = config.nproc_per_node
         self.node = config.node_rank
         self.world_size = config.world_size
         self.ranks = [self.node * self.nproc + lr for lr in range(self.nproc)]
-        self.running: dict[int, object] = {}     # local rank -> Popen
+        self.running: dict[int, WorkerProcess] = {}     # local rank -> its process
         self.pids: dict[int, int] = {}
         self.outcome: dict[int, int] = {}         # local rank -> return code
         self.reported: set[int] = set()           # global ranks reported failed by this agent
         self.restarts = 0
-        self.contexts: list = []                  # of start_processes: the first, then restarts
-        self.tmp_log_dir: str | None = None
+        self.tails: list[TailLog] = []            # --log-dir: the files echoed, per start
+        self.server: ForkServer | None = None
+
+    def _server(self) -> ForkServer:
+        if self.server is None:
+            c = self.config
+            self.server = ForkServer(() if c.no_python else c.preload,
+                                     {**os.environ, "OMP_NUM_THREADS": self._omp_threads()})
+        return self.server
+
+    @staticmethod
+    def _omp_threads() -> str:
+        return os.environ.get("OMP_NUM_THREADS", "1")
 
     def _envs(self, join_at: float | None = None) -> dict[int, dict[str, str]]:
         """Every local rank's environment; a restarted one asks to join from `join_at` on."""
@@ -69,8 +79,7 @@ class Workers:
             if opened.host is not None:     # a TCPStore: env:// can rendezvous on it
                 e.update({"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": opened.host,
                           "MASTER_PORT": str(opened.port)})
-            if "OMP_NUM_THREADS" not in os.environ:
-                e["OMP_NUM_THREADS"] = "1"
+            e["OMP_NUM_THREADS"] = self._omp_threads()
             if restarted:
                 e[JOIN_ENV] = "1"
                 if join_at is not None:
@@ -78,47 +87,42 @@ class Workers:
             envs[lr] = e
         return envs
 
-    def _entry(self) -> tuple[str, tuple[str, ...]]:
+    def _entry(self) -> tuple[str, list[str]]:
+        """The fork server's kind of start and the worker's argv."""
         c = self.config
-        if c.no_python:
-            return c.training_script, tuple(c.training_script_args)
-        if c.module:
-            return sys.executable, ("-u", "-m", c.training_script, *c.training_script_args)
-        return sys.executable, ("-u", c.training_script, *c.training_script_args)
+        kind = "exec" if c.no_python else "module" if c.module else "script"
+        return kind, [c.training_script, *c.training_script_args]
+
+    def _log_files(self, rank: int) -> tuple[str | None, str | None]:
+        """--log-dir: the worker's stdout and stderr files, echoed with a [rankN]: prefix."""
+        if not self.config.log_dir:
+            return None, None
+        where = os.path.join(self.config.log_dir, f"rank{rank}")
+        os.makedirs(where, exist_ok=True)
+        files = tuple(os.path.join(where, name) for name in ("stdout.log", "stderr.log"))
+        for path, dst in zip(files, (sys.stdout, sys.stderr)):
+            open(path, "a").close()         # TailLog waits for a file that does not exist
+            self.tails.append(TailLog("chameleon", {rank: path}, dst,
+                                      log_line_prefixes={rank: f"[rank{rank}]:"}).start())
+        return files
 
     def _launch(self, local_ranks: list[int], join_at: float | None = None) -> None:
-        """start_processes for these local ranks (their ranks and environment as now; a
-        restarted one asks to join from `join_at` on)."""
-        c = self.config
-        entry, args = self._entry()
+        """Fork these local ranks' workers (their ranks and environment as now; a restarted
+        one asks to join from `join_at` on)."""
+        kind, argv = self._entry()
         envs = self._envs(join_at)
-        if c.log_dir:
-            specs = DefaultLogsSpecs(log_dir=c.log_dir, redirects=Std.ALL, tee=Std.ALL)
-            prefixes = {i: f"[rank{self.ranks[lr]}]:" for i, lr in enumerate(local_ranks)}
-        else:
-            if self.tmp_log_dir is None:
-                self.tmp_log_dir = tempfile.mkdtemp(prefix="chameleon_launch_")
-            specs, prefixes = DefaultLogsSpecs(log_dir=self.tmp_log_dir), None
-        ctx = start_processes(name="chameleon", entrypoint=entry,
-                              args={i: args for i in range(len(local_ranks))},
-                              envs={i: envs[lr] for i, lr in enumerate(local_ranks)},
-                              logs_specs=specs, log_line_prefixes=prefixes)
-        self.contexts.append(ctx)
-        self.reinstall_signals()
-        now = time.time()
         hostname = socket.gethostname()
-        for i, lr in enumerate(local_ranks):
-            proc = ctx.subprocess_handlers[i].proc
+        for lr in local_ranks:
+            rank = self.ranks[lr]
+            stdout, stderr = self._log_files(rank)
+            proc = self._server().start(StartRequest(kind, argv, {**os.environ, **envs[lr]},
+                                                     stdout, stderr))
             self.running[lr] = proc
             self.pids[lr] = proc.pid
-            try:
-                pgid = os.getpgid(proc.pid)
-            except ProcessLookupError:
-                pgid = proc.pid
-            rank = self.ranks[lr]
             self.guard.call(self.opened.store.set, key_worker(rank), json.dumps(
                 {"rank": rank, "local_rank": lr, "node": self.node, "host": hostname,
-                 "pid": proc.pid, "pgid": pgid, "agent_pid": os.getpid(), "started": now}))
+                 "pid": proc.pid, "pgid": proc.pid, "agent_pid": os.getpid(),
+                 "started": time.time()}))
 
     def start(self) -> None:
         self._launch(list(range(self.nproc)))
@@ -173,11 +177,14 @@ class Workers:
         return done
 
     def close(self) -> None:
-        """Let go of every start_processes context and the temporary log directory."""
-        for ctx in self.contexts:
-            try:
-                ctx.close(timeout=1)
-            except Exception:
-                pass
-        if self.tmp_log_dir:
-            shutil.rmtree(self.tmp_log_dir, ignore_errors=True)
+        """Kill what still runs (each process group; a worker left running here would outlive
+        its agent), reap it, end the fork server and the echoes."""
+        for lr in list(self.running):
+            self.signal(lr, signal.SIGKILL)
+        # a SIGKILLed process is reaped within milliseconds unless it is in the kernel
+        poll(lambda: all(proc.poll() is not None for proc in self.running.values()) or None,
+             10.0, 0.02)
+        if self.server is not None:
+            self.server.close()
+        for tail in self.tails:
+            tail.stop()

@@ -344,6 +344,40 @@ def test_workers_that_reject_their_arguments_end_the_job_with_their_code_and_one
         run.stderr.splitlines()[-1]
 
 
+@pytest.mark.timeout(60)
+def test_forked_workers_log_to_their_files_echoed_and_are_the_agents_children(tmp_path):
+    """--no-python --log-dir: each forked worker execs the executable with its own rank's
+    environment, in a session of its own and as the agent's child (the agent reaps it);
+    its stdout and stderr land in log-dir/rankN/ and are echoed with a [rankN]: prefix;
+    its exit code is the one it chose."""
+    script = ('echo "rank $RANK of $WORLD_SIZE"; echo "to stderr $RANK" >&2; '
+              'ps -o pid=,ppid=,sid= -p $$; [ "$RANK" = 1 ] && exit 3; exit 0')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chameleon_ext.control.launcher", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "--max-failures", "1", "--log-dir",
+         str(tmp_path / "logs"), "--no-python", "sh", "-c", script],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=50)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    agent = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert agent.returncode == 0, agent.stderr
+    for rank in (0, 1):
+        out = (tmp_path / "logs" / f"rank{rank}" / "stdout.log").read_text().splitlines()
+        assert out[0] == f"rank {rank} of 2"
+        pid, ppid, sid = map(int, out[1].split())
+        assert pid == sid and ppid == proc.pid
+        assert f"[rank{rank}]:rank {rank} of 2" in agent.stdout
+        assert (tmp_path / "logs" / f"rank{rank}" / "stderr.log").read_text() == \
+            f"to stderr {rank}\n"
+        assert f"[rank{rank}]:to stderr {rank}" in agent.stderr
+    assert re.search(r"worker rank 0 \(pid \d+\) exited 0", agent.stderr)
+    assert re.search(r"worker rank 1 \(pid \d+\) died: exit code 3", agent.stderr)
+
+
 def test_trace_file_errors(tmp_path):
     sys.path.insert(0, str(REPO))
     from tools import inject_failure as tool

@@ -128,9 +128,11 @@ def _short_job(data: str) -> list[str]:
 # would wait --chameleon-join-timeout (600 s).
 @pytest.mark.timeout(200)
 def test_a_worker_restarted_too_late_to_join_leaves_cleanly(small_data, tmp_path):
-    """The job's last iterations are done before the restarted worker has started: it finds
-    the job trained and leaves with exit 0, and so does the job."""
-    run = run_chameleon(4, _short_job(small_data), tmp_path, name="late", timeout=150,
+    """The worker is lost in the job's last iteration: the restarted one asks to join when
+    no iteration boundary is left to admit it at, finds the job trained and leaves with exit
+    0, and so does the job."""
+    job = [a.replace("iter=5", "iter=12") for a in _short_job(small_data)]
+    run = run_chameleon(4, job, tmp_path, name="late", timeout=150,
                         launcher_args=["--max-restarts", "1"])
     assert run.returncode == 0, run.stderr[-3000:]
     assert "restarted worker rank 3 as rank 4" in run.stderr
