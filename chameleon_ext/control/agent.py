@@ -15,7 +15,7 @@ import time
 from chameleon_ext.control.agent_log import log
 from chameleon_ext.control.agent_store import (AgentStore, StoreGuard, open_store,
                                                refuse_finished_job)
-from chameleon_ext.control.forkserver import WorkerStartError
+from chameleon_ext.control.forkserver import ForkServer, WorkerStartError
 from chameleon_ext.control.keys import (KEY_ABORT, KEY_NEXT_MEMBER, key_agent_done, key_agent_hb,
                                         key_agent_left, key_job)
 from chameleon_ext.control.launch_config import LaunchConfig
@@ -49,6 +49,7 @@ class Agent:
         self.guard = StoreGuard("")
         self.members: Membership | None = None
         self.workers: Workers | None = None
+        self.server: ForkServer | None = None
         self.watch: Watch | None = None
         # local rank -> (monotonic time of its restart, time.time() it may join from or None)
         self.due: dict[int, tuple[float, float | None]] = {}
@@ -190,9 +191,13 @@ class Agent:
         finally:
             if self.workers is not None:
                 self.workers.close()
+            if self.server is not None:
+                self.server.close()
 
     def _run(self) -> int:
         c = self.config
+        # first, so that its imports overlap the store's opening (other nodes wait for node 0)
+        self.server = Workers.fork_server(c)
         self._open_store()
         if self.stop_signal or self.opened is None:
             return self._interrupted()
@@ -205,8 +210,12 @@ class Agent:
                  "started": start}))
         hb_interval = min(1.0, max(0.05, c.heartbeat_timeout_s / 5))
         self._beat()
-        w = self.workers = Workers(c, self.opened, self.guard)
+        w = self.workers = Workers(c, self.opened, self.guard, self.server)
         self.watch = Watch(c, self.members, self.guard, w, hb_interval)
+        while not self.server.ready(hb_interval):      # the node stays heartbeating meanwhile
+            if self.stop_signal:
+                return self._interrupted()
+            self._beat()
         w.start()
         last_hb = time.monotonic()
         last_watch = 0.0

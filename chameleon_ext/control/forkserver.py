@@ -31,17 +31,21 @@ import io
 import json
 import os
 import runpy
+import select
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 
 PR_SET_CHILD_SUBREAPER = 36       # linux/prctl.h
+READY = b"ready\n"                # the server's first line: its imports are done
 
-# How long the agent waits for the server to answer a start. The first answer comes after the
-# imports (3-16 s measured here, the most on a loaded 2-core host); a later one within
-# milliseconds. A server that has not answered by then is stuck: the node cannot start workers.
-START_TIMEOUT_S = 120.0
+# How long the server's imports may take: 3-16 s measured here, the most on a loaded 2-core
+# host. A server not ready by then is stuck: the node cannot start workers.
+READY_TIMEOUT_S = 120.0
+# How long the agent waits for a ready server to answer a start: a fork takes milliseconds.
+START_TIMEOUT_S = 30.0
 
 
 class WorkerStartError(RuntimeError):
@@ -92,8 +96,9 @@ def become_subreaper() -> None:
 
 
 class ForkServer:
-    """The agent's handle on its fork server, started at once so its imports overlap the
-    agent's own set-up; `env` is the server's environment (what libraries read as they load,
+    """The agent's handle on its fork server, started at once so that its imports overlap the
+    agent's own set-up (`ready` tells when they are done, without blocking the agent's
+    heartbeat); `env` is the server's environment (what libraries read as they load,
     OMP_NUM_THREADS above all, must be the workers')."""
 
     def __init__(self, preload: tuple[str, ...], env: dict[str, str]):
@@ -106,25 +111,50 @@ class ForkServer:
             # agent's to handle; the server ends when the agent's end of the socket closes
             start_new_session=True)
         theirs.close()
-        ours.settimeout(START_TIMEOUT_S)
         self.sock = ours
         self.reader = ours.makefile("rb")
+        self.started = time.monotonic()
+        self.is_ready = False
 
-    def start(self, request: StartRequest) -> WorkerProcess:
+    def _answer(self, timeout_s: float) -> bytes:
+        self.sock.settimeout(timeout_s)
         try:
-            self.sock.sendall(request.to_json())
             line = self.reader.readline()
-        except (OSError, TimeoutError) as e:
+        except OSError as e:     # socket.timeout is one
             raise WorkerStartError(f"the workers' fork server did not answer: {e}") from None
         if not line:
             raise WorkerStartError(f"the workers' fork server ended (exit {self.proc.poll()})")
-        return WorkerProcess(json.loads(line)["pid"])
+        return line
+
+    def ready(self, timeout_s: float) -> bool:
+        """Whether the server has done its imports, waiting up to `timeout_s` for it; raises
+        WorkerStartError once it has taken READY_TIMEOUT_S or ended."""
+        if not self.is_ready:
+            if not select.select([self.sock], [], [], timeout_s)[0]:
+                if time.monotonic() - self.started > READY_TIMEOUT_S:
+                    raise WorkerStartError("the workers' fork server did not finish its "
+                                           f"imports in {READY_TIMEOUT_S:g} s")
+                return False
+            self.is_ready = self._answer(START_TIMEOUT_S) == READY
+        return self.is_ready
+
+    def start(self, request: StartRequest) -> WorkerProcess:
+        """Fork a worker (the server ready, see `ready`)."""
+        try:
+            self.sock.sendall(request.to_json())
+        except OSError as e:
+            raise WorkerStartError(f"the workers' fork server is gone: {e}") from None
+        return WorkerProcess(json.loads(self._answer(START_TIMEOUT_S))["pid"])
 
     def close(self) -> None:
+        """End the server: a ready one reads the end of its socket and exits; one still
+        importing is killed (it has started nothing)."""
         self.reader.close()
         self.sock.close()
+        if not self.is_ready:
+            self.proc.kill()
         try:
-            # it reads the end of its socket at once and exits; 5 s tells that from a stuck one
+            # a ready server exits within milliseconds; 5 s tells that from a stuck one
             self.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             self.proc.kill()
@@ -199,7 +229,9 @@ def _run_worker(request: StartRequest) -> None:
 def main() -> int:
     fd, preload = int(sys.argv[1]), sys.argv[2:]
     _preload(preload)
-    request = _serve(socket.socket(fileno=fd))
+    sock = socket.socket(fileno=fd)
+    sock.sendall(READY)
+    request = _serve(sock)
     if request is not None:
         _run_worker(request)
     return 0

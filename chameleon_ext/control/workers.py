@@ -24,10 +24,12 @@ from chameleon_ext.control.poll import poll
 
 
 class Workers:
-    """The workers of node `config.node_rank`, by local rank, forked by a fork server that
-    starts with the first of them and serves the restarts too."""
+    """The workers of node `config.node_rank`, by local rank, forked by `server`
+    (Workers.fork_server), restarts included."""
 
-    def __init__(self, config: LaunchConfig, opened: AgentStore, guard: StoreGuard):
+    def __init__(self, config: LaunchConfig, opened: AgentStore, guard: StoreGuard,
+                 server: ForkServer | None):
+        self.server = server
         self.config = config
         self.opened = opened
         self.guard = guard
@@ -41,14 +43,12 @@ class Workers:
         self.reported: set[int] = set()           # global ranks reported failed by this agent
         self.restarts = 0
         self.tails: list[TailLog] = []            # --log-dir: the files echoed, per start
-        self.server: ForkServer | None = None
 
-    def _server(self) -> ForkServer:
-        if self.server is None:
-            c = self.config
-            self.server = ForkServer(() if c.no_python else c.preload,
-                                     {**os.environ, "OMP_NUM_THREADS": self._omp_threads()})
-        return self.server
+    @classmethod
+    def fork_server(cls, config: LaunchConfig) -> ForkServer:
+        """The node's fork server, importing what the workers will (nothing for --no-python)."""
+        return ForkServer(() if config.no_python else config.preload,
+                          {**os.environ, "OMP_NUM_THREADS": cls._omp_threads()})
 
     @staticmethod
     def _omp_threads() -> str:
@@ -115,7 +115,7 @@ class Workers:
         for lr in local_ranks:
             rank = self.ranks[lr]
             stdout, stderr = self._log_files(rank)
-            proc = self._server().start(StartRequest(kind, argv, {**os.environ, **envs[lr]},
+            proc = self.server.start(StartRequest(kind, argv, {**os.environ, **envs[lr]},
                                                      stdout, stderr))
             self.running[lr] = proc
             self.pids[lr] = proc.pid
@@ -178,13 +178,11 @@ class Workers:
 
     def close(self) -> None:
         """Kill what still runs (each process group; a worker left running here would outlive
-        its agent), reap it, end the fork server and the echoes."""
+        its agent), reap it, end the echoes."""
         for lr in list(self.running):
             self.signal(lr, signal.SIGKILL)
         # a SIGKILLed process is reaped within milliseconds unless it is in the kernel
         poll(lambda: all(proc.poll() is not None for proc in self.running.values()) or None,
              10.0, 0.02)
-        if self.server is not None:
-            self.server.close()
         for tail in self.tails:
             tail.stop()

@@ -337,7 +337,7 @@ def test_the_launchers_restart_delay_is_the_repair_time_until_a_rejoin_is_measur
     both. A launcher that restarts nothing says nothing."""
     def env(**launch) -> dict[str, str]:
         w = Workers(LaunchConfig("pretrain_gpt.py", nproc_per_node=2, **launch),
-                    SimpleNamespace(addr="127.0.0.1:1", host=None, port=None), None)
+                    SimpleNamespace(addr="127.0.0.1:1", host=None, port=None), None, None)
         return w._envs()[1]
 
     assert "CHAMELEON_RESTART_DELAY" not in env(restart_delay_s=90.0)   # no restarts

@@ -68,12 +68,11 @@ FIRST_KILL, LAST_MARGIN = 5, 3
 # a lost worker is seen at once by its exit, so a long heartbeat costs nothing here.
 LAUNCHER = ["--heartbeat-timeout", "30"]
 # A killed slot's replacement starts this long before its repair time is up and joins only
-# then, so that its start-up (`import torch, megatron` alone takes 10-11 s here) is not counted
-# in the repair; ahead of the repair rather than at the kill, so that it does not share these
-# cores with the survivors' recovery.
+# then, so that its start-up is not counted in the repair (forked from the agent's fork server
+# it imports nothing, but its runtime's set-up is real time on these cores; started with
+# their own imports, workers took 10-11 s here); ahead of the repair rather than at the kill,
+# so that it does not share these cores with the survivors' recovery.
 START_AHEAD_S = 15.0
-# A joiner asking in the middle of an iteration is admitted at the end of the next one.
-ADMISSION_ITERATIONS = 1.5
 MICRO_BATCHES = 4                      # per pipeline and iteration, of SMALL_MODEL's 2 samples
 CHAMELEON_FLAGS = {
     "auto": ["--chameleon-strategy", "auto"],
@@ -460,14 +459,13 @@ def predicted(trace: ExecutedTrace, c: Config, policy: simulate.Policy, iteratio
     for k in trace.kills:
         events.append(traces.Event(k.after_s(iteration_ms) / 3600, "fail", k.rank))
         if trace.repair is not None:
-            # Its worker asks to join at the repair time, a spare until it is admitted at the
-            # end of the next iteration at the earliest (decider.Decider.admission_time); the
-            # repair time counts from the kill as signalled, a little after its instant, so a
-            # kill at the same instant (the same formula) comes first.
+            # Its worker asks to join at the repair time, a spare until the job admits it at
+            # the end of the iteration after the one it asked in (simulate's "up", as
+            # decider.Decider.admission_time); the repair time counts from the kill as
+            # signalled, a little after its instant, so a kill at the same instant (the same
+            # formula) comes first.
             back = Kill(k.iteration + trace.repair, k.rank).after_s(iteration_ms) / 3600
-            events += [traces.Event(back, "up", k.rank),
-                       traces.Event(back + ADMISSION_ITERATIONS * iteration_ms / 3.6e6,
-                                    "rejoin", k.rank)]
+            events.append(traces.Event(back, "up", k.rank))
     hours = ms / 3.6e6
     t = traces.Trace(trace.name, (trace.iterations - 1) * hours, trace.interval * hours,
                      math.inf if trace.repair is None else trace.repair * hours,

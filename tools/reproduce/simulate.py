@@ -23,8 +23,11 @@ a later event could cut short).
   places, the layout kept) with its other candidates, a fixed policy takes it first.
 - A chosen hybrid (reroute now, restart at the next checkpoint) switches when that checkpoint is
   written, unless another change of plan comes first.
-- A GPU up ("up", the executed traces': its worker asks to join and waits for its admission,
-  a spare meanwhile), then its rejoin:
+- A GPU up ("up", the executed traces': its worker asks to join): a spare until its admission,
+  which the job schedules as the leader does (decider.Decider.admission_time): at the end of
+  the iteration after the one it asked in, an iteration boundary, so a loss during the
+  admission loses no iteration (its recovery starts where the admission stood). Then its
+  rejoin, as below; a rejoin ("rejoin", table 2's traces) admits at its instant.
 - A rejoin: with every GPU back, the failure-free plan; otherwise the policy's best plan over
   the GPUs up (planned from the failure-free plan with the rest lost, as strategies.rejoin
   hands them to the planner); auto takes it when it costs less than the current plan over the
@@ -108,13 +111,11 @@ def simulate(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
              on_event: Callable[[], None] | None = None) -> Outcome:
     job = _Job(setup, policy, trace, costs)
     for event in trace.events:
-        job.switch_until(event.hour * 3.6e6)
-        job.advance(event.hour * 3.6e6)
+        job.until(event.hour * 3.6e6)
         job.event(event)
         if on_event:
             on_event()
-    job.switch_until(trace.span_h * 3.6e6)
-    job.advance(trace.span_h * 3.6e6)
+    job.until(trace.span_h * 3.6e6)
     return job.out
 
 
@@ -136,7 +137,7 @@ def train_until(setup: Setup, policy: Policy, trace: Trace, costs: Costs,
         done = job.reached(event.hour * 3.6e6, iterations)
         if done is not None:
             break
-        job.advance(event.hour * 3.6e6)
+        job.until(event.hour * 3.6e6)
         job.event(event)
     else:
         done = job.reached(math.inf, iterations)
@@ -167,6 +168,8 @@ class _Job:
         self.switch: tuple[float, Switch] | None = None
         self.failed_at: list[float] = []   # every loss so far, ms
         self.down_since: dict[int, float] = {}   # a GPU lost and not back yet -> its loss, ms
+        # a GPU up and waiting -> the iterations done at the boundary that admits it
+        self.admissions: dict[int, int] = {}
         self.out = Outcome(policy.name, trace.name, trace.span_h, 0.0)
 
     # ---- time ---------------------------------------------------------------------------------
@@ -180,26 +183,54 @@ class _Job:
         self.t = to
 
     def reached(self, to: float, iterations: float) -> float | None:
-        """The moment, no later than `to`, at which the job has trained `iterations` (its
-        planned switches before `to` taken as they come); None if it has not by then."""
+        """The moment, no later than `to`, at which the job has trained `iterations` (its own
+        events before `to` taken as they come); None if it has not by then."""
         while True:
-            at = self.switch[0] if self.switch is not None and self.switch[0] <= to else to
+            due = self._next_own(to)
+            at = to if due is None else due[0]
             if self.plan is not None:
                 done = max(self.t, self.resume) + \
                     (iterations - self.out.iterations) * self.iteration_ms
                 if done <= at:
                     return max(self.t, done)
-            if at == to:
+            if due is None:
                 return None
-            self.switch_until(at)
-
-    def switch_until(self, to: float) -> None:
-        if self.switch is not None and self.switch[0] <= to:
-            at, sw = self.switch
             self.advance(at)
-            self.out.replans += 1
-            self._adopt(sw.plan, self._gpus_of(self.plan, set(), sw.plan, []), sw.iteration_ms,
-                        sw.transition_ms)
+            due[1]()
+
+    def until(self, to: float) -> None:
+        """Advance to `to`, taking the job's own events before it as they come."""
+        while (due := self._next_own(to)) is not None:
+            self.advance(due[0])
+            due[1]()
+        self.advance(to)
+
+    def _next_own(self, to: float) -> tuple[float, Callable[[], None]] | None:
+        """The job's next own event no later than `to`: a hybrid's switch at its checkpoint,
+        or an admission at its boundary; None if none."""
+        due = []
+        if self.switch is not None and self.switch[0] <= to:
+            due.append((self.switch[0], self._switch))
+        if self.plan is not None:
+            start = max(self.t, self.resume)
+            for gpu, boundary in self.admissions.items():
+                at = start + max(0.0, boundary - self.out.iterations) * self.iteration_ms
+                if at <= to:
+                    due.append((at, lambda gpu=gpu, boundary=boundary:
+                                self._admit(gpu, boundary)))
+        return min(due, key=lambda d: d[0], default=None)
+
+    def _admit(self, gpu: int, boundary: int) -> None:
+        # the job stands at the boundary: its progress, summed in floats, may fall short of it
+        # by a rounding, which a loss during the admission would count as an iteration begun
+        self.out.iterations = max(self.out.iterations, float(boundary))
+        self.rejoin(gpu)
+
+    def _switch(self) -> None:
+        _, sw = self.switch
+        self.out.replans += 1
+        self._adopt(sw.plan, self._gpus_of(self.plan, set(), sw.plan, []), sw.iteration_ms,
+                    sw.transition_ms)
 
     def situation(self) -> Situation:
         """As the job tells the planner at a failure: the trace's MTBF, the time until a lost
@@ -223,7 +254,16 @@ class _Job:
 
     # ---- events -------------------------------------------------------------------------------
     def event(self, e: Event) -> None:
-        {"fail": self.fail, "rejoin": self.rejoin, "up": self.up.add}[e.kind](e.gpu)
+        {"fail": self.fail, "rejoin": self.rejoin, "up": self.asks}[e.kind](e.gpu)
+
+    def asks(self, gpu: int) -> None:
+        """The GPU's worker asks to join: a spare now, admitted at the end of the iteration
+        after the one it asks in (stalled, at once: the job waits for GPUs)."""
+        self.up.add(gpu)
+        if self.plan is None:
+            self.rejoin(gpu)
+        else:
+            self.admissions[gpu] = math.floor(self.out.iterations) + 2
 
     def fail(self, gpu: int) -> None:
         self.up.discard(gpu)
@@ -263,6 +303,7 @@ class _Job:
 
     def rejoin(self, gpu: int) -> None:
         self.up.add(gpu)
+        self.admissions.pop(gpu, None)
         self.down_since.pop(gpu, None)
         if gpu in self.gpus:
             return  # admitted already: it took a lost place while it waited (substitute)
