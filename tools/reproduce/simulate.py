@@ -267,6 +267,7 @@ class _Job:
 
     def fail(self, gpu: int) -> None:
         self.up.discard(gpu)
+        self.admissions.pop(gpu, None)       # a joiner lost while it waited
         self.failed_at.append(self.t)
         self.down_since[gpu] = self.t
         if self.plan is None or gpu not in self.gpus:
