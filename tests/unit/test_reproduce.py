@@ -269,16 +269,21 @@ def test_the_work_a_restart_lost_stays_lost_when_an_event_comes_during_its_redo(
     assert out.iterations <= failure_free - lost
 
 
+def _job_losing_two_stages(policy: str) -> tuple[simulate._Job, int, int]:
+    """A simulated job of TRACE_MODEL under `policy` (an hour's span, 1 h MTBF, 0.1 h repair)
+    and two GPUs of different stages and pipelines to lose."""
+    s = cluster.setup(TRACE_MODEL)
+    job = simulate._Job(s, next(p for p in simulate.POLICIES if p.name == policy),
+                        traces.Trace("two losses", 1.0, 1.0, 0.1, ()), simulate.Costs(30, 5))
+    return job, s.plan.pipelines[0].stages[1].ranks[0], s.plan.pipelines[1].stages[0].ranks[0]
+
+
 def test_megatron_takes_a_gpu_back_at_its_next_relaunch_not_before():
     """Megatron loses GPU a at 0.2 h and relaunches onto the others; a is back at 0.3 h and
     the job runs on without it (a running Megatron job cannot grow: no move, no relaunch
     paid); b is lost at 0.6 h and that relaunch plans over every GPU up, a included, as the
     executed traces' Megatron does."""
-    s = cluster.setup(TRACE_MODEL)
-    megatron = next(p for p in simulate.POLICIES if p.name == "megatron")
-    a, b = s.plan.pipelines[0].stages[1].ranks[0], s.plan.pipelines[1].stages[0].ranks[0]
-    job = simulate._Job(s, megatron, traces.Trace("two losses", 1.0, 1.0, 0.1, ()),
-                        simulate.Costs(30, 5))
+    job, a, b = _job_losing_two_stages("megatron")
     job.advance(0.2 * 3.6e6)
     job.fail(a)
     assert a not in job.gpus
@@ -545,11 +550,7 @@ def test_a_joiner_is_admitted_at_a_boundary_and_a_loss_during_its_admission_lose
     during that admission's move starts its recovery from the boundary: no iteration lost
     (the executed every-12 trace met this in 5 of 6 runs; placed 1.5 failure-free iterations
     after the ask, at no boundary, the admission lost work the job never lost)."""
-    s = cluster.setup(TRACE_MODEL)
-    recycle = next(p for p in simulate.POLICIES if p.name == "recycle")
-    a, b = s.plan.pipelines[0].stages[1].ranks[0], s.plan.pipelines[1].stages[0].ranks[0]
-    job = simulate._Job(s, recycle, traces.Trace("losses", 1.0, 1.0, 0.1, ()),
-                        simulate.Costs(30, 5))
+    job, a, b = _job_losing_two_stages("recycle")
     job.until(0.1 * 3.6e6)
     job.fail(a)
     job.until(0.2 * 3.6e6)
