@@ -190,6 +190,8 @@ class Agent:
             return 1
         finally:
             if self.workers is not None:
+                # what still runs after an error would outlive its agent
+                self._stop_workers(reason="the agent is ending", report=False)
                 self.workers.close()
             if self.server is not None:
                 self.server.close()

@@ -146,7 +146,7 @@ def _config(args: argparse.Namespace) -> LaunchConfig:
         heartbeat_timeout_s=args.heartbeat_timeout,
         store=args.store, store_timeout_s=args.store_timeout, join_timeout_s=args.join_timeout,
         grace_s=args.grace, log_dir=args.log_dir, no_python=args.no_python, module=args.module,
-        preload=tuple(m for m in args.preload.split(",") if m))
+        preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()))
 
 
 def main(argv: list[str] | None = None) -> int:

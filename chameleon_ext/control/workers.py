@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -20,7 +19,6 @@ from chameleon_ext.control.forkserver import ForkServer, StartRequest, WorkerPro
 from chameleon_ext.control.keys import (HEARTBEAT_ENV, JOIN_AT_ENV, JOIN_ENV, KEY_NEXT_MEMBER,
                                         RESTART_DELAY_ENV, STORE_ENV, key_node, key_worker)
 from chameleon_ext.control.launch_config import LaunchConfig
-from chameleon_ext.control.poll import poll
 
 
 class Workers:
@@ -177,12 +175,6 @@ class Workers:
         return done
 
     def close(self) -> None:
-        """Kill what still runs (each process group; a worker left running here would outlive
-        its agent), reap it, end the echoes."""
-        for lr in list(self.running):
-            self.signal(lr, signal.SIGKILL)
-        # a SIGKILLed process is reaped within milliseconds unless it is in the kernel
-        poll(lambda: all(proc.poll() is not None for proc in self.running.values()) or None,
-             10.0, 0.02)
+        """End the echoes of --log-dir (the agent has stopped the workers)."""
         for tail in self.tails:
             tail.stop()

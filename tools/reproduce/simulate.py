@@ -211,19 +211,19 @@ class _Job:
         due = []
         if self.switch is not None and self.switch[0] <= to:
             due.append((self.switch[0], self._switch))
-        if self.plan is not None:
-            start = max(self.t, self.resume)
-            for gpu, boundary in self.admissions.items():
-                at = start + max(0.0, boundary - self.out.iterations) * self.iteration_ms
-                if at <= to:
-                    due.append((at, lambda gpu=gpu, boundary=boundary:
-                                self._admit(gpu, boundary)))
+        for gpu, boundary in self.admissions.items():
+            # stalled, at once: the job waits for GPUs, no iteration runs
+            at = self.t if self.plan is None else max(self.t, self.resume) + \
+                max(0.0, boundary - self.out.iterations) * self.iteration_ms
+            if at <= to:
+                due.append((at, lambda gpu=gpu, boundary=boundary: self._admit(gpu, boundary)))
         return min(due, key=lambda d: d[0], default=None)
 
     def _admit(self, gpu: int, boundary: int) -> None:
-        # the job stands at the boundary: its progress, summed in floats, may fall short of it
-        # by a rounding, which a loss during the admission would count as an iteration begun
-        self.out.iterations = max(self.out.iterations, float(boundary))
+        if self.plan is not None:
+            # the job stands at the boundary: its progress, summed in floats, may fall short of
+            # it by a rounding, which a loss during the admission would count as begun
+            self.out.iterations = max(self.out.iterations, float(boundary))
         self.rejoin(gpu)
 
     def _switch(self) -> None:
@@ -258,12 +258,9 @@ class _Job:
 
     def asks(self, gpu: int) -> None:
         """The GPU's worker asks to join: a spare now, admitted at the end of the iteration
-        after the one it asks in (stalled, at once: the job waits for GPUs)."""
+        after the one it asks in (_next_own; stalled, at once)."""
         self.up.add(gpu)
-        if self.plan is None:
-            self.rejoin(gpu)
-        else:
-            self.admissions[gpu] = math.floor(self.out.iterations) + 2
+        self.admissions[gpu] = math.floor(self.out.iterations) + 2
 
     def fail(self, gpu: int) -> None:
         self.up.discard(gpu)
