@@ -11,6 +11,19 @@ def pytest_configure(config):
                                                   f"{known.category.__name__}:{SOURCE}")
 
 
+@pytest.fixture(autouse=True)
+def _no_tool_outlives_its_test():
+    """A failure-injection tool that a test started beside its job and left running (the test
+    failed before joining it) is killed by PID when the test ends."""
+    from tests.launch import BESIDE
+    yield
+    while BESIDE:
+        proc = BESIDE.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> str:
     """A real-text dataset prefix (part of the stdlib sources), built once per test session."""

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,77 +318,63 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def run_injector(store: str, args: list[str], write_trace: Callable[[], None] | None = None,
-                 timeout_s: float = 240) -> subprocess.CompletedProcess | None:
-    """tools/inject_failure.py on the job's `store`, tried again until the job's agent has
-    put the store and its workers up (within 120 s; None if it never does); `write_trace`
-    (re)writes a --trace file just before each try; `timeout_s` bounds one try."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        # The store first, probed here: each try of the tool is a Python start-up that takes
-        # a core from the job starting beside it.
-        if not store.startswith("etcd://"):
-            host, port = store.rsplit(":", 1)
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-            except OSError:
-                time.sleep(0.2)
-                continue
-        if write_trace:
-            write_trace()
-        try:
-            out = subprocess.run([sys.executable, "tools/inject_failure.py", "--store", store,
-                                  *args], cwd=REPO, capture_output=True, text=True,
-                                 timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-        if "is not in the store" in out.stderr or "no store" in out.stderr:
-            time.sleep(0.5)
-            continue
-        return out
-    return None
+# How long a tool started beside a job waits for the job's store and worker records: the
+# agent's start-up, its fork server's imports (up to 16 s measured) on 2 loaded cores.
+JOB_UP_S = 120
+# The tools started beside jobs: what a test leaves running (it failed before `join`) is
+# killed when it ends (tests/conftest.py).
+BESIDE: list[subprocess.Popen] = []
 
 
 class _BesideJob:
-    """The tool run in a thread beside a job: `start` it before the job, `join` after."""
+    """tools/inject_failure.py beside a job: `start` it before the job (tests/inject_beside.py
+    imports the tool at once, then tries until the job's agent has put the store and its workers
+    up, within JOB_UP_S), `join` it after: the tool's exit code and output (`_done`); one still
+    running `timeout` seconds into `join` is killed, its returncode left None."""
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _done(self, returncode: int, stdout: str, stderr: str) -> None:
+        raise NotImplementedError
 
     def start(self):
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._proc = subprocess.Popen([sys.executable, "tests/inject_beside.py", str(JOB_UP_S),
+                                       *self._command()], cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+        BESIDE.append(self._proc)
         return self
 
     def join(self, timeout: float = 60) -> None:
-        self._thread.join(timeout)
+        try:
+            out, err = self._proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.communicate()
+            return
+        self._done(self._proc.returncode, out, err)
 
 
 @dataclass
 class TimedKills(_BesideJob):
     """tools/inject_failure.py --trace run beside a job on `port`: SIGKILLs of launch ranks
-    at wall-clock instants, whatever the job does then. `after`: the instants are seconds from
-    when rank 0 works past that iteration; None: they are epoch times (time.time())."""
+    at wall-clock instants, seconds from when rank 0 works past iteration `after`, whatever the
+    job does then."""
 
     port: int
     path: Path                           # the trace file the tool reads
     kills: list[tuple[float, int]]       # (instant, launch rank)
-    after: int | None = None
+    after: int
     returncode: int | None = None
     stdout: str = ""
 
-    def _write(self) -> None:
-        now = time.time()
-        self.path.write_text("".join(
-            f"{t if self.after is not None else max(0.0, t - now):.3f} {r}\n"
-            for t, r in self.kills))
+    def _command(self) -> list[str]:
+        self.path.write_text("".join(f"{t:.3f} {r}\n" for t, r in self.kills))
+        return [f"127.0.0.1:{self.port}", "--trace", str(self.path), "--after-iteration",
+                str(self.after), "--wait", "180"]
 
-    def _run(self) -> None:
-        after = [] if self.after is None else ["--after-iteration", str(self.after), "--wait",
-                                               "180"]
-        # a try lasts the wait for rank 0's iteration (180 s), the trace and its start-up
-        last = max(t for t, _ in self.kills) - (0 if self.after is not None else time.time())
-        out = run_injector(f"127.0.0.1:{self.port}", ["--trace", str(self.path), *after],
-                           self._write, timeout_s=240 + max(0.0, last))
-        if out is not None:
-            self.returncode, self.stdout = out.returncode, out.stdout
+    def _done(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout = returncode, stdout
 
     @property
     def signalled_at(self) -> list[float]:
@@ -418,14 +403,14 @@ class LateKill(_BesideJob):
     stderr: str = ""
     signalled_at: float | None = None    # wall time of the signal, from the tool's log line
 
-    def _run(self) -> None:
+    def _command(self) -> list[str]:
         what = ("--node" if self.node else "--stop" if self.stop else "--term" if self.term
                 else "--kill")
-        # a try lasts the tool's --wait (180 s) for the iteration, its delay and its start-up
-        out = run_injector(self.store or f"127.0.0.1:{self.port}", [
-            what, str(self.rank), "--after-iteration", str(self.after), "--delay-ms",
-            str(self.delay_ms), "--wait", "180"], timeout_s=240 + self.delay_ms / 1e3)
-        if out is not None:
-            self.returncode, self.stderr = out.returncode, out.stderr
-            found = re.search(r" at (\d+\.\d+)$", out.stdout.strip())
-            self.signalled_at = float(found.group(1)) if found else None
+        return [self.store or f"127.0.0.1:{self.port}", what, str(self.rank),
+                "--after-iteration", str(self.after), "--delay-ms", str(self.delay_ms),
+                "--wait", "180"]
+
+    def _done(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stderr = returncode, stderr
+        found = re.search(r" at (\d+\.\d+)$", stdout.strip())
+        self.signalled_at = float(found.group(1)) if found else None
