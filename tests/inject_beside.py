@@ -7,13 +7,17 @@ could otherwise work past the tool's --after-iteration, and end, while the tool 
 The tool is then run in this process, again while the store or the worker's record is not up
 yet.
 
-    python tests/inject_beside.py WAIT_S STORE TOOL_ARGS...
+    python tests/inject_beside.py WAIT_S [--epochs FILE] STORE TOOL_ARGS...
+
+--epochs FILE: a JSON list of [epoch seconds, rank]: each try first writes the tool's --trace
+file with them as seconds from then (the instants already past: at once).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import sys
 import time
 from pathlib import Path
@@ -26,10 +30,18 @@ NO_STORE, NOT_REGISTERED = "no store at", "is not in the store"
 
 
 def main(argv: list[str]) -> int:
-    wait_s, store, args = float(argv[0]), argv[1], argv[2:]
+    wait_s, argv = float(argv[0]), argv[1:]
+    epochs = None
+    if argv[0] == "--epochs":
+        epochs, argv = json.loads(Path(argv[1]).read_text()), argv[2:]
+    store, args = argv[0], argv[1:]
     deadline = time.monotonic() + wait_s
     reached = False           # the store was up once: gone again, the job has ended
     while time.monotonic() < deadline:
+        if epochs is not None:
+            now = time.time()
+            Path(args[args.index("--trace") + 1]).write_text(
+                "".join(f"{max(0.0, t - now):.3f} {r}\n" for t, r in epochs))
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             rc = inject_failure.main(["--store", store, *args])

@@ -358,20 +358,26 @@ class _BesideJob:
 @dataclass
 class TimedKills(_BesideJob):
     """tools/inject_failure.py --trace run beside a job on `port`: SIGKILLs of launch ranks
-    at wall-clock instants, seconds from when rank 0 works past iteration `after`, whatever the
-    job does then."""
+    at wall-clock instants, whatever the job does then. `after`: the instants are seconds from
+    when rank 0 works past that iteration; None: they are epoch times (time.time()), the trace
+    rewritten relative to the tool's start at each of its tries."""
 
     port: int
     path: Path                           # the trace file the tool reads
     kills: list[tuple[float, int]]       # (instant, launch rank)
-    after: int
+    after: int | None = None
     returncode: int | None = None
     stdout: str = ""
 
     def _command(self) -> list[str]:
+        trace = ["--trace", str(self.path)]
+        if self.after is None:
+            epochs = self.path.with_name(self.path.name + ".epochs.json")
+            epochs.write_text(json.dumps(self.kills))
+            return ["--epochs", str(epochs), f"127.0.0.1:{self.port}", *trace]
         self.path.write_text("".join(f"{t:.3f} {r}\n" for t, r in self.kills))
-        return [f"127.0.0.1:{self.port}", "--trace", str(self.path), "--after-iteration",
-                str(self.after), "--wait", "180"]
+        return [f"127.0.0.1:{self.port}", *trace, "--after-iteration", str(self.after),
+                "--wait", "180"]
 
     def _done(self, returncode: int, stdout: str, stderr: str) -> None:
         self.returncode, self.stdout = returncode, stdout

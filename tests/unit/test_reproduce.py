@@ -455,14 +455,16 @@ def test_an_out_path_that_is_a_file_is_refused(tmp_path, capsys):
     assert e.value.code == 2 and "is not a folder" in capsys.readouterr().err
 
 
-def test_the_op_overhead_is_fitted_so_the_failure_free_plan_takes_its_measured_time(tmp_path):
+def test_the_host_time_is_fitted_so_the_failure_free_plan_takes_its_measured_time(tmp_path):
     """The emulation pads each op to the device's time but not the executor's own work
-    between ops: the failure-free run measured 2.0% above its prediction. The fitted host time
-    per forward or backward op brings the prediction to the run's pace (its wall time an
-    iteration, checkpoint saves included: the predicted throughput is the measured one), and
-    costs more on a plan that runs more ops a rank (a 2 x 3 restart plan of 16 micro-batches a
-    pipeline measured 3412 ms, predicted 3227 ms without it); a run faster than predicted fits
-    none."""
+    between ops: the failure-free run measured 2.0% above its prediction. The device the
+    prediction decides on keeps it as the job's calibration does, a per-iteration overhead;
+    the clock the plans' iterations are timed on, as a host time per forward or backward op.
+    Both bring the failure-free prediction to the run's pace (its wall time an iteration,
+    checkpoint saves included: the predicted throughput is the measured one); the clock
+    charges more on a plan that runs more ops a rank (a 2 x 3 restart plan of 16
+    micro-batches a pipeline measured 3412 ms, predicted 3227 ms without it). A run faster than
+    predicted fits no op time and a negative overhead."""
     c = executed.Config(8, 2, 33.0, executed.default_profile(tmp_path / "device.json"), "", 12)
     predicted = predict_plan(c.plan, c.device).iteration_ms
 
@@ -474,13 +476,32 @@ def test_the_op_overhead_is_fitted_so_the_failure_free_plan_takes_its_measured_t
 
     cmp = fitted(1.02 * predicted)
     assert cmp.op_overhead_ms > 0
-    device = cmp.device("a trace", "auto")
-    assert predict_plan(c.plan, device).iteration_ms == pytest.approx(1.02 * predicted)
+    device, clock = cmp.device("a trace", "auto"), cmp.clock("a trace", "auto")
+    assert device.iteration_overhead_ms == pytest.approx(0.02 * predicted)
+    for d in (device, clock):
+        assert predict_plan(c.plan, d).iteration_ms == pytest.approx(1.02 * predicted)
     assert cmp.predicted_failure_free == pytest.approx(cmp.failure_free_samples_per_s)
     restart = replan(c.plan, {3}, c.device)
-    assert predict_plan(restart, device).iteration_ms - \
-        predict_plan(restart, c.device).iteration_ms > 0.02 * predicted
-    assert fitted(0.99 * predicted).op_overhead_ms == 0.0
+    assert predict_plan(restart, clock).iteration_ms - \
+        predict_plan(restart, device).iteration_ms > 0.01 * predicted
+    slower = fitted(0.99 * predicted)
+    assert slower.op_overhead_ms == 0.0 and slower.iteration_overhead_ms < 0
+
+
+def test_the_clock_times_the_plans_the_job_decides_on(tmp_path):
+    """A prediction with a clock (Comparison.clock) makes the decisions it makes without one,
+    the same recoveries and moves; only the time each plan's iterations take is the
+    clock's."""
+    c = executed.Config(8, 2, 33.0, executed.default_profile(tmp_path / "device.json"), "", 12)
+    trace = executed.trace_set(48, 12, 12.0, c.plan, 12, 0)[0]
+    policy = next(p for p in simulate.POLICIES if p.name == "oobleck")
+    pace = predict_plan(c.plan, c.device).iteration_ms
+    plain = executed.predicted(trace, c, policy, pace, c.device, 0.0)
+    clock = dataclasses.replace(c.device, op_overhead_ms=20.0)
+    timed = executed.predicted(trace, c, policy, pace, c.device, 0.0, clock=clock)
+    assert (timed.recoveries, timed.replans) == (plain.recoveries, plain.replans)
+    assert plain.recoveries["reparallelize"] >= 1
+    assert timed.samples_per_s(c.global_batch) < plain.samples_per_s(c.global_batch)
 
 
 def test_executed_runs_saved_and_loaded_are_predicted_alike(tmp_path):

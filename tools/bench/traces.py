@@ -128,8 +128,9 @@ def _report(cmp: executed.Comparison) -> None:
     trs, policies = cmp.traces, cmp.policies
     ff = cmp.failure_free_samples_per_s
     print(f"\nfailure-free: {ff:.2f} samples/s (iteration {cmp.failure_free[0].median_iteration_ms:.0f} ms)")
-    print(f"the prediction's host costs, calibrated from these runs: {cmp.op_overhead_ms:.2f} ms "
-          f"per forward or backward op; relaunch " + ", ".join(
+    print(f"the prediction's host costs, calibrated from these runs: decided on "
+          f"{cmp.iteration_overhead_ms:.0f} ms an iteration (the job's calibration), timed at "
+          f"{cmp.op_overhead_ms:.2f} ms per forward or backward op; relaunch " + ", ".join(
               f"{cmp.relaunch_s(t.name):.1f} s ({t.name})" for t in trs))
     print(f"{'trace':>30} | {'policy':>9} | {'samples/s':>9} | {'spread':>6} | {'/ ff':>5} | "
           f"{'predicted':>9} | {'recoveries':>22} | rejoins | host s | loss diff | overruns | "

@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
-from chameleon_ext.planning.perf_model import MIB, Profile, stage_params, switch_ms
+from chameleon_ext.planning.perf_model import (MIB, Profile, predict_plan, stage_params,
+                                               switch_ms)
 from chameleon_ext.planning.planner import (STRATEGIES, Candidate, Situation, Switch, candidates,
                                             choose, failure_record, moved_state_bytes,
                                             next_repair, rejoin_window, running_ms)
@@ -89,6 +90,10 @@ class Costs:
     # A planned move's (an admission's) time where it was measured (the executed traces'),
     # else None: the model's, the rebuild and the state the GPUs lack.
     move_ms: float | None = None
+    # The device a plan's iterations take their time on where it is not the one the job
+    # decides with (the executed traces': the job decides with its own calibration, the
+    # runs' pace is fitted per op, tools/reproduce/executed.py); None: the same.
+    clock: Profile | None = None
 
 
 @dataclass
@@ -159,11 +164,12 @@ class _Job:
         self.ff_ms = failure_free_ms(setup, policy)
         self.relaunch_ms = costs.restart_min * 6e4 if policy.relaunch else 0.0
         self.measured_move_ms = costs.move_ms
+        self.clock = costs.clock
         self.save_every = max(1, round(costs.checkpoint_min * 6e4 / setup.iteration_ms))
         self.plan: ExecutionPlan | None = setup.plan
         self.gpus = list(range(self.world))  # the GPU of each rank of the plan
         self.up = set(self.gpus)
-        self.iteration_ms = self.ff_ms
+        self.iteration_ms = self._timed(setup.plan, self.ff_ms)
         self.t = self.resume = 0.0
         self.switch: tuple[float, Switch] | None = None
         self.failed_at: list[float] = []   # every loss so far, ms
@@ -376,10 +382,20 @@ class _Job:
 
     def _adopt(self, plan: ExecutionPlan, gpus: list[int], iteration_ms: float,
                transition_ms: float) -> None:
+        """Run `plan` on `gpus`, decided at `iteration_ms` an iteration, after
+        `transition_ms`."""
         self.plan, self.gpus = plan, gpus
-        self.iteration_ms = iteration_ms
+        self.iteration_ms = self._timed(plan, iteration_ms)
         self.resume = self.t + transition_ms
         self.switch = None
+
+    def _timed(self, plan: ExecutionPlan, decided_ms: float) -> float:
+        """The iteration `plan` takes, decided at `decided_ms`: on the clock's device, as much
+        more or less as the clock predicts it."""
+        if self.clock is None:
+            return decided_ms
+        return decided_ms + predict_plan(plan, self.clock).iteration_ms - \
+            predict_plan(plan, self.profile).iteration_ms
 
     def _move_ms(self, new: ExecutionPlan, gpus: list[int]) -> float:
         """A planned move to `new` on `gpus`: the rebuild and the state new to each GPU from its
