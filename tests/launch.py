@@ -143,34 +143,41 @@ def run_chameleon(nproc: int, args: list[str], workdir: Path, *, timeout: float 
 
 
 def _run(launcher: list[str], args: list[str], workdir: Path, timeout: float, name: str) -> Run:
+    """The job's output is written to `name`.stdout.log and .stderr.log in `workdir` (kept
+    for a failure's post-mortem with pytest's temporary directories) and read back."""
     metrics = workdir / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", *launcher, str(REPO / "pretrain_gpt.py"), *args,
            "--chameleon-metrics-file", str(metrics)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # Where each worker is stuck (pretrain's SIGUSR2 handler prints its threads' stacks),
-        # then Ctrl-C: both launchers then reap their workers (chameleon-launch starts each
-        # in a session of its own, out of reach of a signal to the launcher's group).
-        for pid in _children(proc.pid):
-            try:
-                os.kill(pid, signal.SIGUSR2)
-            except ProcessLookupError:
-                pass
-        time.sleep(2)    # the dumps reach the launcher's stderr pipe
-        proc.send_signal(signal.SIGINT)
+    logs = [workdir / f"{name}.{stream}.log" for stream in ("stdout", "stderr")]
+    with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr,
+                                text=True, start_new_session=True)
         try:
-            out, err = proc.communicate(timeout=30)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            # Where each worker is stuck (pretrain's SIGUSR2 handler prints its threads'
+            # stacks), then Ctrl-C: both launchers then reap their workers (chameleon-launch
+            # starts each in a session of its own, out of reach of a signal to the launcher's
+            # group).
+            for pid in _children(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGUSR2)
+                except ProcessLookupError:
+                    pass
+            time.sleep(2)    # the dumps reach the launcher's stderr
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                kill_group(proc.pid)
+                proc.wait()
+            raise AssertionError(f"{name} did not finish in {timeout} s\n"
+                                 f"{logs[1].read_text()[-12000:]}")
+        finally:
             kill_group(proc.pid)
-            out, err = proc.communicate()
-        raise AssertionError(f"{name} did not finish in {timeout} s\n{err[-12000:]}")
-    finally:
-        kill_group(proc.pid)
+    out, err = (path.read_text() for path in logs)
     events = [json.loads(line) for line in metrics.read_text().splitlines()] \
         if metrics.exists() else []
     return Run(proc.returncode, out, err, events)

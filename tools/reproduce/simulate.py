@@ -2,7 +2,8 @@
 throughput over the trace's span.
 
 Between events the job trains at its plan's predicted iteration time (progress is counted in
-iterations, fractions included). A recovery takes progress back to where its lost work starts
+iterations, fractions included; where the plans are timed on another device than the one the
+job decides on, Costs.clock, as that one predicts it). A recovery takes progress back to where its lost work starts
 (planner.Candidate.lost_iterations: the interrupted iteration's start or, for a restart, the
 checkpoint), makes no progress for the rest of its predicted cost (detection, rebuild, state
 moved or checkpoint read), then trains the lost iterations again on the new plan: its
