@@ -1,5 +1,5 @@
-"""tools/inject_failure.py started beside a job that is not up yet (run by
-tests.launch.run_injector).
+"""tools/inject_failure.py started beside a job that is not up yet (started by
+tests.launch._BesideJob.start).
 
 The tool's own start-up (torch's import, about 1 s idle and several on a loaded 2-core host)
 is paid here before the job's store exists: a job whose workers are forked in milliseconds
