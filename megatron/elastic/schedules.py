@@ -43,6 +43,8 @@ TIMER_OF = {
     OpKind.SEND_BWD: "backward-send", OpKind.REDUCE_GRADS: "grads-all-reduce",
     OpKind.OPT_STEP: "optimizer",
 }
+# The ops that run the layers (and so the tensor-parallel group's collectives).
+_LAYER_COMPUTE = (OpKind.FWD, OpKind.BWD, OpKind.BWD_INPUT, OpKind.BWD_WEIGHT)
 SHADOW_SYNC = "shadow-sync"  # eager redundancy's refresh, before an iteration's first op
 
 
@@ -161,6 +163,7 @@ class Executor:
         self._started = False  # whether the op at _position began (before_op may refuse it)
         self._grads_synced = False
         self._tp_sum_began = False
+        self._draining = False  # computing a drained op (see drain): nothing is measured
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=_device())
         self._samples = 0  # delivered to this rank's first-stage forwards in this iteration
 
@@ -268,18 +271,28 @@ class Executor:
             raise RuntimeError(f"rank {self.rt.rank}: micro-batches left unfinished by the "
                                f"schedule: {sorted(set(self._inputs) | set(self._outputs))}")
 
-    def drain(self, ops: list[Op], lost: set[int]) -> list:
-        """After a failure at op `_position` (or before it began: a peer's failure seen on the
-        store): take part in the rest of the iteration's
-        communication without computing, so that live peers do not wait on this rank until a
-        timeout (gloo cannot interrupt a blocked operation). Every send still owed to a live
-        peer gets a placeholder; a gradient collective is joined only when none of its members
-        is in `lost` (else it cannot complete, and joining it would hold this rank, and the
-        peers waiting for it elsewhere, until the timeout); receives are skipped, and so is the
-        world loss sum, which contains the lost rank: it fails on every survivor, so no one
-        steps. Errors are expected and ignored. The placeholders' values never matter: the
-        iteration runs again. Returns the placeholder sends: they must stay referenced until the
-        groups are destroyed (a dropped gloo send is withdrawn before it is delivered)."""
+    def drain(self, ops: list[Op], lost: set[int], iteration: int) -> list:
+        """After a failure at op `_position` of `iteration` (0-based; or before it began: a
+        peer's failure seen on the store): take part in the rest of the iteration's
+        communication, so that live peers do not wait on this rank until a timeout (gloo
+        cannot interrupt a blocked operation). Every send still owed to a live peer gets a
+        placeholder; a gradient collective is joined only when none of its members is in `lost`
+        (else it cannot complete, and joining it would hold this rank, and the peers waiting
+        for it elsewhere, until the timeout); receives are skipped, and so is the world loss
+        sum, which contains the lost rank: it fails on every survivor, so no one steps.
+
+        Forwards and backwards are skipped too, except in a tensor-parallel group with no lost
+        member: there they hold the group's own collectives, and its members stop at different
+        ops (each sees a peer's failure on the store at its own moment; one's receive fails on
+        a lost pipeline peer while its sibling's peer sends a placeholder). A member that
+        skipped them would meet its sibling's next forward or backward collective with the
+        gradient sum over the group, and gloo aborts the process on the size mismatch (seen
+        under load: "4096 vs 768", a sequence-parallel gather against that sum). So such a
+        group's members compute every remaining forward and backward, on placeholders, without
+        the data-parallel hooks. Errors are expected and ignored. The placeholders' values
+        never matter: the iteration runs again. Returns the placeholder sends: they must stay
+        referenced until the groups are destroyed (a dropped gloo send is withdrawn before it
+        is delivered)."""
         rt = self.rt
         sends = []
         # DDP's group: the stage's replicas, or this rank alone in a misaligned plan (whose
@@ -288,9 +301,14 @@ class Executor:
                                 else rt.plan.replicas(rt.rank))
         embd_ok = rt.embedding_group is not None and \
             not lost & set(dist.get_process_group_ranks(rt.embedding_group))
-        tp_ok = not lost & set(dist.get_process_group_ranks(rt.module.pg_collection.tp))
+        tp_ranks = set(dist.get_process_group_ranks(rt.module.pg_collection.tp))
+        tp_ok = not lost & tp_ranks
         failed_op = ops[self._position] if self._started else None
         reduce_op = failed_op is not None and failed_op.kind is OpKind.REDUCE_GRADS
+        # A forward or backward that failed midway left the group's collectives at an unknown
+        # point: none is computed after it.
+        compute = tp_ok and len(tp_ranks) > 1 and \
+            not (failed_op is not None and failed_op.kind in _LAYER_COMPUTE)
         # The replicas' first forward gathers the stepped shards in its hooks: joined if this
         # rank's had not finished (after it, a group not dispatched is next iteration's).
         first_fwd = next((i for i, op in enumerate(ops) if op.kind is OpKind.FWD), -1)
@@ -300,6 +318,12 @@ class Executor:
             except RuntimeError:
                 pass
         for op in ops[self._position + (1 if self._started and not reduce_op else 0):]:
+            if compute and op.kind in _LAYER_COMPUTE:
+                try:
+                    self._compute_placeholder(op, iteration)
+                except RuntimeError:
+                    compute = False   # a member was lost meanwhile: nothing more to pair up
+                continue
             try:
                 if op.kind in (OpKind.SEND_FWD, OpKind.SEND_BWD) and op.peer not in lost:
                     msg = self._sends.get(op)
@@ -327,6 +351,33 @@ class Executor:
         # Not waited for: a receiver still blocked gets either its placeholder or, once this
         # rank drops its groups, a closed connection; one that drains never asks for it.
         return sends
+
+    def _compute_placeholder(self, op: Op, iteration: int) -> None:
+        """A drained forward or backward: its inputs or output gradients zeros where their
+        receives were skipped, no data-parallel collective dispatched from its hooks (DDP's
+        gradient hooks counting nothing under no_sync, the parameter gathers' forward hooks
+        off: `drain` joins those groups itself, or not at all), no memory measured."""
+        rt, mb = self.rt, op.microbatch
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(rt.activation_shape, dtype=rt.activation_dtype, device=_device())
+
+        if op.kind is OpKind.FWD and not rt.first and mb not in self._inputs:
+            self._inputs[mb] = zeros().requires_grad_()
+        if op.kind in (OpKind.BWD, OpKind.BWD_INPUT) and not rt.last and \
+                mb not in self._out_grads:
+            self._out_grads[mb] = zeros()
+        hooks_on = bool(getattr(rt.model, "remove_forward_pre_hook_handles", None))
+        if hooks_on:
+            rt.model.disable_forward_pre_hook(param_sync=False)
+        self._draining = True
+        try:
+            with rt.model.no_sync():
+                self._DISPATCH[op.kind](self, op, iteration)
+        finally:
+            self._draining = False
+            if hooks_on:
+                rt.model.enable_forward_pre_hook()
 
     def reset(self) -> None:
         """Drop everything of an interrupted iteration (activations, received tensors, sends)."""
@@ -424,7 +475,8 @@ class Executor:
         if rt.before_forward:
             rt.before_forward(iteration, mb)
         rt.module.set_input_tensor(self._inputs.get(mb))
-        measured = rt.memory and rt.model.training and rt.memory.measuring(iteration)
+        measured = rt.memory and rt.model.training and not self._draining and \
+            rt.memory.measuring(iteration)
         with rt.memory.forward(mb) if measured else nullcontext():
             out = rt.forward_step(batch, rt.model)
             if rt.last:

@@ -322,7 +322,8 @@ class Trainer:
         except RuntimeError as e:
             failure = self.elastic.notice(e, it)
         if failure is not None:  # outside the except block: its traceback would pin the groups
-            self.elastic.drained(self.built.executor.drain(ops, self.elastic.lost_ranks()))
+            self.elastic.drained(self.built.executor.drain(ops, self.elastic.lost_ranks(),
+                                                             it - 1))
             self.built.executor.reset()
             raise StepFailure(failure)
         if self.config.training.empty_unused_memory_level and torch.cuda.is_available():
