@@ -287,6 +287,18 @@ def test_a_rejoin_waits_for_a_near_checkpoint_when_moving_state_costs_more():
     assert far.action == "now"
 
 
+def test_a_rejoin_waits_for_a_save_only_while_no_failure_is_likely_before_it():
+    """A save 219 iterations away: waiting for it saves a few seconds when failures are 6 h
+    apart. Those seconds do not depend on the MTBF (the window's work is the same for both);
+    with failures an hour apart, one that comes before the save (an 8% chance over its 5 min)
+    meets the rerouted plan and the admission moves the state after all: admitted now."""
+    rare = rejoin_case(iteration=381, save_interval=600, mtbf_hours=6.0)
+    assert rare.action == "checkpoint" and rare.at_iteration == 600
+    frequent = rejoin_case(iteration=381, save_interval=600, mtbf_hours=1.0)
+    assert frequent.action == "now"
+    assert frequent.costs["now"] < frequent.costs["checkpoint"] < frequent.costs["stay"]
+
+
 # ---- the job's clock ----------------------------------------------------------------------------
 @pytest.fixture
 def now(monkeypatch) -> list[float]:
