@@ -41,7 +41,10 @@ def _describe_exit(rc: int) -> tuple[str, str]:
 
 
 class Agent:
-    def __init__(self, config: LaunchConfig):
+    """One node's agent; `server` is its workers' fork server, started by the caller as early
+    as it can be (launcher.main), and closed by `run`."""
+
+    def __init__(self, config: LaunchConfig, server: ForkServer):
         self.config = config
         self.node = config.node_rank
         self.world_size = config.world_size
@@ -49,7 +52,7 @@ class Agent:
         self.guard = StoreGuard("")
         self.members: Membership | None = None
         self.workers: Workers | None = None
-        self.server: ForkServer | None = None
+        self.server = server
         self.watch: Watch | None = None
         # local rank -> (monotonic time of its restart, time.time() it may join from or None)
         self.due: dict[int, tuple[float, float | None]] = {}
@@ -193,13 +196,10 @@ class Agent:
                 # what still runs after an error would outlive its agent
                 self._stop_workers(reason="the agent is ending", report=False)
                 self.workers.close()
-            if self.server is not None:
-                self.server.close()
+            self.server.close()
 
     def _run(self) -> int:
         c = self.config
-        # first, so that its imports overlap the store's opening (other nodes wait for node 0)
-        self.server = Workers.fork_server(c)
         self._open_store()
         if self.stop_signal or self.opened is None:
             return self._interrupted()

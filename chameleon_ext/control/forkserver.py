@@ -48,6 +48,11 @@ READY_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 30.0
 
 
+def omp_threads() -> str:
+    """The workers' OMP_NUM_THREADS: the agent's, else 1 (torchrun's default)."""
+    return os.environ.get("OMP_NUM_THREADS", "1")
+
+
 class WorkerStartError(RuntimeError):
     """The fork server could not start a worker (it ended, or it is stuck)."""
 
@@ -115,6 +120,12 @@ class ForkServer:
         self.reader = ours.makefile("rb")
         self.started = time.monotonic()
         self.is_ready = False
+
+    @classmethod
+    def for_workers(cls, preload: tuple[str, ...]) -> "ForkServer":
+        """The node's fork server, importing what the workers will (nothing for --no-python),
+        with the workers' thread count."""
+        return cls(preload, {**os.environ, "OMP_NUM_THREADS": omp_threads()})
 
     def _answer(self, timeout_s: float) -> bytes:
         self.sock.settimeout(timeout_s)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chameleon_ext.control.store import check_store_spec
-
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -52,6 +50,9 @@ class LaunchConfig:
             raise ValueError("--max-failures, --max-restarts, --restart-delay and --start-ahead "
                              "must be >= 0 and --heartbeat-timeout > 0")
         if self.store:
+            # here, not at the module's top: the launcher builds its config before torch is
+            # imported (launcher.main), and only --store needs the store module
+            from chameleon_ext.control.store import check_store_spec
             try:
                 check_store_spec(self.store)
             except ValueError as e:

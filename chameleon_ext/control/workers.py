@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from chameleon_ext.control.agent_log import log
 from chameleon_ext.control.agent_store import AgentStore, StoreGuard
-from chameleon_ext.control.forkserver import ForkServer, StartRequest, WorkerProcess
+from chameleon_ext.control.forkserver import ForkServer, StartRequest, WorkerProcess, omp_threads
 from chameleon_ext.control.keys import (HEARTBEAT_ENV, JOIN_AT_ENV, JOIN_ENV, KEY_NEXT_MEMBER,
                                         RESTART_DELAY_ENV, STORE_ENV, key_node, key_worker)
 from chameleon_ext.control.launch_config import LaunchConfig
@@ -42,16 +42,6 @@ class Workers:
         self.restarts = 0
         self.tails: list[TailLog] = []            # --log-dir: the files echoed, per start
 
-    @classmethod
-    def fork_server(cls, config: LaunchConfig) -> ForkServer:
-        """The node's fork server, importing what the workers will (nothing for --no-python)."""
-        return ForkServer(() if config.no_python else config.preload,
-                          {**os.environ, "OMP_NUM_THREADS": cls._omp_threads()})
-
-    @staticmethod
-    def _omp_threads() -> str:
-        return os.environ.get("OMP_NUM_THREADS", "1")
-
     def _envs(self, join_at: float | None = None) -> dict[int, dict[str, str]]:
         """Every local rank's environment; a restarted one asks to join from `join_at` on."""
         c, opened = self.config, self.opened
@@ -77,7 +67,7 @@ class Workers:
             if opened.host is not None:     # a TCPStore: env:// can rendezvous on it
                 e.update({"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": opened.host,
                           "MASTER_PORT": str(opened.port)})
-            e["OMP_NUM_THREADS"] = self._omp_threads()
+            e["OMP_NUM_THREADS"] = omp_threads()
             if restarted:
                 e[JOIN_ENV] = "1"
                 if join_at is not None:
