@@ -118,15 +118,35 @@ class Emulation:
         if late < 0:
             self.sleep(-late)
 
-    def transferred(self, real_bytes: int) -> None:
-        """After a state transfer that brought `real_bytes` of this job's model: the link time
-        of as much of the profile's model."""
-        if real_bytes <= 0:
+    def transferred(self, received: dict[str, int]) -> None:
+        """After a state transfer that brought `received` (bytes per parameter name, the
+        layout-independent names of state_transfer) of this job's model: the link time of as
+        much of the profile's model, each parameter scaled as what it is there. The two models
+        do not scale alike: a layer of a 1.3B GPT is 1,000 of this job's, its word embeddings
+        4,000 times this job's (scaling those as layers emulated 178M parameters' state for a
+        joiner of a first stage of three layers, where the planner counts 258M)."""
+        nbytes = sum(b * self._scale(name) for name, b in received.items())
+        if nbytes <= 0:
             return
         p = self.device_profile
-        scale = p.shape.layer_params() / self.job_shape.layer_params()
-        self.pad(self.clock(), p.p2p_alpha_ms + p.p2p_ms_per_mib * real_bytes * scale / MIB,
+        self.pad(self.clock(), p.p2p_alpha_ms + p.p2p_ms_per_mib * nbytes / MIB,
                  counted=False)
+
+    def _scale(self, name: str) -> float:
+        """How many elements of the profile's model one element of this job's parameter `name`
+        stands for."""
+        p, j = self.device_profile.shape, self.job_shape
+        if name.startswith("decoder.layers."):
+            return p.layer_params() / j.layer_params()
+        if name.startswith(("embedding.word_embeddings.", "output_layer.")):
+            return p.vocab_size * p.hidden_size / (j.vocab_size * j.hidden_size)
+        if name.startswith("embedding.position_embeddings."):
+            # learned positions: the embeddings beyond the words' (none in a RoPE profile)
+            def positions(s: ModelShape) -> int:
+                return s.embedding_params() - s.vocab_size * s.hidden_size
+
+            return positions(p) / max(positions(j), 1)
+        return p.hidden_size / j.hidden_size     # the final norm
 
     def event(self, counts: list[OverrunCount]) -> dict:
         return emulation_event(counts, self.dilation)

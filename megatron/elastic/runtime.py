@@ -5,7 +5,7 @@ Everything plan-dependent is built here so that a new plan (after a failure) mea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Callable
 
@@ -65,8 +65,13 @@ class Built:
     schedule: Schedule
     eval_schedule: Schedule
     groups: parallel_state.RankGroups
-    received_bytes: int = 0           # state this rank got from peers for layers new to it
+    # state this rank got from peers for layers new to it, bytes per parameter name
+    received: dict[str, int] = field(default_factory=dict)
     shadows: Shadows | None = None    # eager redundancy's copies (held and refreshed)
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(self.received.values())
 
 
 @dataclass
@@ -203,7 +208,7 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     pairs = redundancy.shadow_pairs(plan) if spec.eager else []
     if pairs:
         rt.shadows = Shadows(rt, tied_embeddings, pairs)
-    received = 0
+    received: dict[str, int] = {}
     if carried is not None:
         if on_transfer:
             on_transfer()

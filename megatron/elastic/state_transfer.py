@@ -187,13 +187,14 @@ def wanted(rt: StageRuntime, tied_embeddings: bool) -> dict[str, list[tuple[str,
 
 
 def fetch_missing(state: CarriedState, needed: dict[str, list[tuple[str, int, int]]],
-                  dtypes: dict[str, torch.dtype], device: torch.device) -> int:
+                  dtypes: dict[str, torch.dtype], device: torch.device) -> dict[str, int]:
     """Collective over the current world: every rank receives, as pieces added to `state`,
     the parts of `needed` (wanted()'s) that it does not hold, each part from the lowest rank
     that holds it, reaching furthest. Nothing is dropped from `state`: a later attempt of the
     same transition finds everything a rank held. Optimizer state is wanted only once some rank
     holds any (before the first step there is none). `dtypes`: each parameter's. Returns the
-    bytes this rank received."""
+    bytes this rank received, per parameter name (an emulated device scales each by what that
+    parameter is in its model)."""
     world = dist.get_world_size()
     me = dist.get_rank()
     held = holdings(state)
@@ -224,7 +225,7 @@ def fetch_missing(state: CarriedState, needed: dict[str, list[tuple[str, int, in
             for x, y, src in segments:
                 pairs.setdefault((src, dst), []).append((name, kind, x, y))
     if not pairs:
-        return 0
+        return {}
     handles, incoming = [], []
     for (src, dst), parts in sorted(pairs.items()):
         if src == me:
@@ -240,14 +241,16 @@ def fetch_missing(state: CarriedState, needed: dict[str, list[tuple[str, int, in
             incoming.append((parts, empties, buffers))
     for h in handles:
         h.wait()
-    received = 0
+    received: dict[str, int] = {}
     for parts, empties, buffers in incoming:
-        received += sum(b.numel() * b.element_size() for b in buffers.values())
         tensors = iter(v.clone() for v in views([t for e in empties for t in _tensors(e)],
                                                 buffers))
         for (name, kind, a, b), empty in zip(parts, empties):
             values = {k: next(tensors) if isinstance(v, torch.Tensor) else v
                       for k, v in sorted(empty.items())}
+            received[name] = received.get(name, 0) + sum(
+                v.numel() * v.element_size() for v in values.values()
+                if isinstance(v, torch.Tensor))
             state.pieces.setdefault(name, []).append(Piece(kind, a, b, values))
     return received
 

@@ -691,7 +691,7 @@ class Trainer:
     def _build(self, plan: ExecutionPlan, rank: int, carried=None, on_transfer=None):
         built = runtime.build(plan, rank, self.spec, carried, on_transfer)
         if self.emulation is not None:
-            self.emulation.transferred(built.received_bytes)
+            self.emulation.transferred(built.received)
         if self.calibration is not None:
             self.calibration.start(plan, rank, built.schedule.ops[rank],
                                    built.shadows is not None, built.runtime.memory)

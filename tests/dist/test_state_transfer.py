@@ -86,7 +86,8 @@ def _worker(rank: int, port: int, out: str, layout: dict, stepped: bool | None) 
 
 
 def _run(layout: dict, stepped: bool | None) -> dict:
-    """Each rank's (state, bytes received) after fetch_missing, or the error it raised."""
+    """Each rank's (state, bytes received per name) after fetch_missing, or the error it
+    raised."""
     return spawn_ranks(_worker, layout, layout, stepped)
 
 
@@ -108,10 +109,11 @@ def test_missing_parameters_and_their_adam_state_arrive_intact(stepped):
     if stepped:
         assert torch.equal(_optim(state0, "c")["exp_avg_sq"].view(3, 5), _value("c", "v"))
         assert _optim(state1, "a")["step"].item() == 7.0
-        assert got0 == got1 == 3 * 15 * 4 + 4  # a param and two moments, fp32, and the step
+        # a param and two moments, fp32, and the step
+        assert (got0, got1) == ({"c": 3 * 15 * 4 + 4}, {"a": 3 * 15 * 4 + 4})
     else:
-        assert _optim(state0, "c") is None and got0 == 15 * 4
-    assert results[2][1] == 0  # needed nothing
+        assert _optim(state0, "c") is None and got0 == {"c": 15 * 4}
+    assert results[2][1] == {}  # needed nothing
 
 
 def test_tensor_parallel_shards_go_to_the_same_shard_of_the_group_taking_over():
@@ -121,8 +123,8 @@ def test_tensor_parallel_shards_go_to_the_same_shard_of_the_group_taking_over():
         name = f"x/tp{t}of2"
         assert torch.equal(_param(state, name), _value(name, "p"))  # rank t's shard, not the other
         assert torch.equal(_optim(state, name)["exp_avg"].view(3, 5), _value(name, "m"))
-        assert got == 3 * 15 * 4 + 4
-    assert results[0][1] == results[1][1] == 0
+        assert got == {name: 3 * 15 * 4 + 4}
+    assert results[0][1] == results[1][1] == {}
 
 
 def test_a_shard_of_another_tensor_parallel_size_is_reported_by_every_rank():
@@ -142,7 +144,7 @@ def test_distributed_optimizer_slices_are_put_together_across_new_boundaries():
             assert all(torch.equal(got[k], whole[k][a:b]) for k in whole)
             assert got["step"].item() == 7.0
     # rank 1 needs [8, 10) of the moments, and [8, 15) of the parameter, from rank 2 alone
-    assert results[1][1] == (2 * 2 + 7) * 4 + 4
+    assert results[1][1] == {"x": (2 * 2 + 7) * 4 + 4}
 
 
 def test_a_slice_whose_every_holder_is_lost_is_reported_by_every_rank():

@@ -131,9 +131,13 @@ def test_links_are_padded_for_the_profiles_bytes():
         ProfileCosts(plan, emu.device_profile).reduce(tuple(plan.replicas(1))))
     assert (t.now - before) > 0
     before = t.now
-    emu.transferred(JOB.layer_params() * 16)  # one of this job's layers with Adam's state
-    assert (t.now - before) * 1e3 == pytest.approx(
-        2.0 * (0.5 + 0.25 * BIG.layer_params() * 16 / MIB))
+    # one of this job's layers with Adam's state, and its word embeddings': each as much of
+    # the profile's model as it is there
+    emu.transferred({"decoder.layers.3.mlp.linear_fc1.weight/tp0of1": JOB.layer_params() * 16,
+                     "embedding.word_embeddings.weight/tp0of1":
+                         JOB.vocab_size * JOB.hidden_size * 16})
+    assert (t.now - before) * 1e3 == pytest.approx(2.0 * (0.5 + 0.25 * (
+        BIG.layer_params() + BIG.vocab_size * BIG.hidden_size) * 16 / MIB))
     assert emu.count.ops == 0
 
 
