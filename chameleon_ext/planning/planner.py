@@ -238,6 +238,11 @@ class Window:
     failure_first: float = 0.0
 
 
+def failure_rate(situation: Situation) -> float:
+    """lambda, failures per ms (0 without an MTBF)."""
+    return 1 / (situation.mtbf_hours * 3.6e6) if situation.mtbf_hours else 0.0
+
+
 def window(situation: Situation, pace_ms: float) -> Window:
     """The window until the next event at `pace_ms` an iteration: the horizon without a repair
     time (p = q = 0: the horizon-only rule), else the cycle's expectation."""
@@ -246,7 +251,7 @@ def window(situation: Situation, pace_ms: float) -> Window:
     end = situation.remaining_iterations * pace_ms
     repair = situation.repair_hours * 3.6e6
     until = min(repair, end)
-    rate = 1 / (situation.mtbf_hours * 3.6e6) if situation.mtbf_hours else 0.0
+    rate = failure_rate(situation)
     expected = -math.expm1(-rate * until) / rate if rate else until
     first = -math.expm1(-rate * until)
     hits, known = situation.failure_record
@@ -521,8 +526,7 @@ def rejoin_choice(current: ExecutionPlan, current_ms: float, new: ExecutionPlan,
         k = at - (situation.iteration - 1)
         if k < win.iterations:
             read = switch_ms(profile, loaded_bytes=_loaded_bytes(new, profile))
-            rate = 1 / (situation.mtbf_hours * 3.6e6) if situation.mtbf_hours else 0.0
-            before_save = -math.expm1(-rate * k * current_ms)
+            before_save = -math.expm1(-failure_rate(situation) * k * current_ms)
             exposed = move - read + \
                 next_failure_ms(current, current_ms, profile, situation, win.iterations) - \
                 next_failure_ms(new, new_ms, profile, situation, win.iterations)

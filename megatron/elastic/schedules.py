@@ -330,8 +330,7 @@ class Executor:
                     if msg is not None and op != msg.members[-1]:
                         continue  # one placeholder per fused message, at its last member
                     n = len(msg.members) if msg else 1
-                    zeros = [torch.zeros(rt.activation_shape, dtype=rt.activation_dtype,
-                                         device=_device()) for _ in range(n)]
+                    zeros = [self._placeholder() for _ in range(n)]
                     buf = comm.pack(zeros) if msg else zeros[0]
                     tag = msg.tag() if msg else op.message_tag()
                     sends.append(dist.isend(buf, dst=op.peer, tag=tag))
@@ -352,21 +351,23 @@ class Executor:
         # rank drops its groups, a closed connection; one that drains never asks for it.
         return sends
 
+    def _placeholder(self) -> torch.Tensor:
+        """Zeros in the shape of an activation message: what a drain sends, or computes on
+        where it skipped a receive."""
+        return torch.zeros(self.rt.activation_shape, dtype=self.rt.activation_dtype,
+                           device=_device())
+
     def _compute_placeholder(self, op: Op, iteration: int) -> None:
         """A drained forward or backward: its inputs or output gradients zeros where their
         receives were skipped, no data-parallel collective dispatched from its hooks (DDP's
         gradient hooks counting nothing under no_sync, the parameter gathers' forward hooks
         off: `drain` joins those groups itself, or not at all), no memory measured."""
         rt, mb = self.rt, op.microbatch
-
-        def zeros() -> torch.Tensor:
-            return torch.zeros(rt.activation_shape, dtype=rt.activation_dtype, device=_device())
-
         if op.kind is OpKind.FWD and not rt.first and mb not in self._inputs:
-            self._inputs[mb] = zeros().requires_grad_()
+            self._inputs[mb] = self._placeholder().requires_grad_()
         if op.kind in (OpKind.BWD, OpKind.BWD_INPUT) and not rt.last and \
                 mb not in self._out_grads:
-            self._out_grads[mb] = zeros()
+            self._out_grads[mb] = self._placeholder()
         hooks_on = bool(getattr(rt.model, "remove_forward_pre_hook_handles", None))
         if hooks_on:
             rt.model.disable_forward_pre_hook(param_sync=False)
