@@ -24,10 +24,11 @@ This module imports only the standard library and chameleon_ext: never torch or 
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
@@ -691,8 +692,61 @@ def _schedule_of(layout: str) -> Schedule:
     return choose_schedule(ExecutionPlan.from_json(layout), fuse=False, checked=False)
 
 
+# Predictions of layouts in their canonical naming (_canonical_key), most recently used last.
+# A failure's candidates, every later event of a trace and a recalibration predict the same
+# layouts on other GPUs again and again; 4096 entries are a few MiB for 32-GPU plans, and
+# plans of more than CACHED_RANKS ranks (plan search at scale) are predicted uncached.
+_PREDICTIONS: collections.OrderedDict[tuple, Prediction] = collections.OrderedDict()
+_PREDICTIONS_MAX = 4096
+CACHED_RANKS = 1024
+
+
 def predict_plan(plan: ExecutionPlan, profile: Profile,
                  start: dict[int, float] | None = None) -> Prediction:
+    """_predict_plan of the plan with its ranks named 0..n-1 in their order (a naming that
+    keeps every comparison of ranks, so every tie of the schedule), its result named back:
+    the same layout on other GPUs is predicted once. With `cores` the host a rank shares
+    depends on its name, so such plans are predicted as they are, uncached."""
+    if profile.cores > 0 or plan.world_size > CACHED_RANKS:
+        return _predict_plan(plan, profile, start)
+    names = sorted(plan.ranks)
+    canon = {r: i for i, r in enumerate(names)}
+    key = _canonical_key(plan, profile, start, canon)
+    hit = _PREDICTIONS.get(key)
+    if hit is None:
+        slow = {canon[r]: f for r, f in profile.rank_slowdown.items() if r in canon}
+        hit = _predict_plan(plan.relabelled(canon, 0), replace(profile, rank_slowdown=slow),
+                            None if start is None else
+                            {canon[r]: t for r, t in start.items() if r in canon})
+        _PREDICTIONS[key] = hit
+        if len(_PREDICTIONS) > _PREDICTIONS_MAX:
+            _PREDICTIONS.popitem(last=False)
+    else:
+        _PREDICTIONS.move_to_end(key)
+    return Prediction(hit.iteration_ms, {names[i]: m for i, m in hit.memory_bytes.items()},
+                      hit.bubble_fraction, {names[i]: f for i, f in hit.sharing.items()})
+
+
+def _canonical_key(plan: ExecutionPlan, profile: Profile, start: dict[int, float] | None,
+                   canon: dict[int, int]) -> tuple:
+    """What predict_plan's result depends on, with ranks named by `canon`: the layout, every
+    cost of the profile, and the slowdown and start of each rank."""
+    layout = tuple((tuple(p.micro_batches),
+                    tuple((st.layer_start, st.layer_end, tuple(canon[r] for r in st.ranks),
+                           tuple((mb, tuple(canon[r] for r in rs))
+                                 for mb, rs in sorted(st.hosts.items())))
+                          for st in p.stages))
+                   for p in plan.pipelines)
+    costs = repr([getattr(profile, f.name) for f in fields(Profile)
+                  if f.name not in ("rank_slowdown", "notes", "source", "device")])
+    per_rank = tuple((profile.rank_slowdown.get(r), None if start is None else start.get(r))
+                     for r in sorted(canon))
+    return (plan.num_layers, plan.tensor_parallel, plan.micro_batch_size,
+            plan.num_micro_batches, layout, costs, per_rank)
+
+
+def _predict_plan(plan: ExecutionPlan, profile: Profile,
+                  start: dict[int, float] | None = None) -> Prediction:
     """predict(plan, planned_schedule(plan), profile, start=start), from the fewest pipelines
     that determine it (`start` the same for every rank of a kind, as eager redundancy's
     refresh is: it depends on the rank's stage alone). Pipelines meet only in the gradient reduction, a collective that waits for all of its

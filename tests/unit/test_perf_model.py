@@ -1,6 +1,7 @@
 """The performance model: predictions on small schedules computed by hand, parameter counts,
 profiles on disk, and the fit of per-layer costs."""
 
+import collections
 import dataclasses
 import json
 import math
@@ -194,6 +195,7 @@ def test_predict_plan_equals_the_whole_plans_prediction(world, tp, depth, batch,
     simulated, one tensor-parallel shard of each stage, with every reduction costed for its
     whole group: the same time and memory."""
     plan = reroute(ExecutionPlan.failure_free(world, tp, depth, 4, 2, batch), lost)
+    monkeypatch.setattr(perf_model, "_PREDICTIONS", collections.OrderedDict())
     simulate = perf_model.simulate
     simulated = []
 
@@ -215,6 +217,33 @@ def test_predict_plan_equals_the_whole_plans_prediction(world, tp, depth, batch,
         assert fast.memory_bytes == whole.memory_bytes
         assert fast.bubble_fraction == pytest.approx(whole.bubble_fraction, rel=1e-9)
     assert simulated[0] == simulated_ranks
+
+
+def test_a_layout_on_other_gpus_is_predicted_once_and_as_itself(monkeypatch):
+    """A trace meets the same layouts on other GPUs again and again: predicted once, with the
+    slow GPU and the memory named after the GPUs, each the prediction of that plan afresh."""
+    monkeypatch.setattr(perf_model, "_PREDICTIONS", collections.OrderedDict())
+    simulate = perf_model.simulate
+    simulated = []
+
+    def counting(*a, **kw):
+        simulated.append(1)
+        return simulate(*a, **kw)
+
+    monkeypatch.setattr(perf_model, "simulate", counting)
+    plan = reroute(ExecutionPlan.failure_free(16, 1, 4, 4, 2, 8), {5})
+    elsewhere = {r: 2 * r + 3 for r in plan.ranks}           # the same order of GPUs
+    shuffled = {r: (7 * r) % 17 for r in plan.ranks}         # another order
+    for i, names in enumerate(({r: r for r in plan.ranks}, elsewhere, shuffled)):
+        moved = plan.relabelled(names)
+        prof = profile(allreduce_alpha_ms=0.05, rank_slowdown={names[2]: 1.5})
+        got = predict_plan(moved, prof)
+        afresh = perf_model._predict_plan(moved, prof)
+        assert got.iteration_ms == afresh.iteration_ms
+        assert got.memory_bytes == afresh.memory_bytes
+        assert got.bubble_fraction == afresh.bubble_fraction
+        # afresh simulates each time; predict_plan only for a new order of the GPUs
+        assert len(simulated) == (2, 3, 5)[i]
 
 
 def tp_profile(**kw) -> Profile:
