@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -338,14 +338,21 @@ class ExecutionPlan:
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("_positions")
-        for p in d["pipelines"]:
-            for st in p["stages"]:
-                hosts = st.pop("hosts")
-                if hosts:
-                    st["hosts"] = {str(mb): r for mb, r in sorted(hosts.items())}
-        return d
+        """The inverse of from_dict, built field by field: dataclasses.asdict's deep copies
+        were most of the time of a cached prediction, whose key this is (perf_model.layout_key)."""
+        def stage(st: Stage) -> dict:
+            d = {"layer_start": st.layer_start, "layer_end": st.layer_end,
+                 "ranks": list(st.ranks)}
+            if st.hosts:
+                d["hosts"] = {str(mb): list(r) for mb, r in sorted(st.hosts.items())}
+            return d
+
+        return {"num_layers": self.num_layers, "tensor_parallel": self.tensor_parallel,
+                "micro_batch_size": self.micro_batch_size,
+                "num_micro_batches": self.num_micro_batches,
+                "pipelines": [{"stages": [stage(st) for st in p.stages],
+                               "micro_batches": list(p.micro_batches)} for p in self.pipelines],
+                "generation": self.generation}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ExecutionPlan":

@@ -24,7 +24,6 @@ This module imports only the standard library and chameleon_ext: never torch or 
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import math
@@ -328,7 +327,12 @@ class Profile:
             head_fwd_ms=shard(self.head_fwd_ms, 0), head_bwd_ms=shard(self.head_bwd_ms, 1))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # field by field: dataclasses.asdict's deep copies were most of a cached prediction's
+        # time (predict_plan keys its cache with this)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(shape=asdict(self.shape), rank_slowdown=dict(self.rank_slowdown),
+                 notes=list(self.notes))
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
@@ -676,15 +680,21 @@ def predict_homogeneous(plan: ExecutionPlan, profile: Profile) -> Prediction:
     return predict_plan(plan, profile)
 
 
+def layout_key(plan: ExecutionPlan) -> str:
+    """`plan`'s layout as one string, its generation left out: a layout's schedule and its
+    prediction depend on nothing else, and both are cached under it."""
+    layout = plan.to_dict()
+    layout["generation"] = 0
+    return json.dumps(layout, sort_keys=True)
+
+
 def planned_schedule(plan: ExecutionPlan) -> Schedule:
     """The schedule the executor runs for `plan`, unfused (its fusion leaves the time
     unchanged) and unchecked: both generators are correct by construction, and the schedule
     that runs is checked when the executor builds it. Shared, not to be modified: a failure's
     candidates, a recalibration and a trace's simulation predict the same layouts again and
-    again, and a layout's schedule depends on nothing else (not its generation)."""
-    layout = plan.to_dict()
-    layout["generation"] = 0
-    return _schedule_of(json.dumps(layout, sort_keys=True))
+    again."""
+    return _schedule_of(layout_key(plan))
 
 
 @functools.lru_cache(maxsize=512)   # a few MiB at most: large layouts come a few at a time
@@ -692,12 +702,8 @@ def _schedule_of(layout: str) -> Schedule:
     return choose_schedule(ExecutionPlan.from_json(layout), fuse=False, checked=False)
 
 
-# Predictions of layouts in their canonical naming (_canonical_key), most recently used last.
-# A failure's candidates, every later event of a trace and a recalibration predict the same
-# layouts on other GPUs again and again; 4096 entries are a few MiB for 32-GPU plans, and
-# plans of more than CACHED_RANKS ranks (plan search at scale) are predicted uncached.
-_PREDICTIONS: collections.OrderedDict[tuple, Prediction] = collections.OrderedDict()
-_PREDICTIONS_MAX = 4096
+# Plans of more than this many ranks (plan search at scale) are predicted uncached: their keys
+# are large and the same layout rarely comes twice.
 CACHED_RANKS = 1024
 
 
@@ -711,38 +717,28 @@ def predict_plan(plan: ExecutionPlan, profile: Profile,
         return _predict_plan(plan, profile, start)
     names = sorted(plan.ranks)
     canon = {r: i for i, r in enumerate(names)}
-    key = _canonical_key(plan, profile, start, canon)
-    hit = _PREDICTIONS.get(key)
-    if hit is None:
-        slow = {canon[r]: f for r, f in profile.rank_slowdown.items() if r in canon}
-        hit = _predict_plan(plan.relabelled(canon, 0), replace(profile, rank_slowdown=slow),
-                            None if start is None else
-                            {canon[r]: t for r, t in start.items() if r in canon})
-        _PREDICTIONS[key] = hit
-        if len(_PREDICTIONS) > _PREDICTIONS_MAX:
-            _PREDICTIONS.popitem(last=False)
-    else:
-        _PREDICTIONS.move_to_end(key)
+    costs = profile.to_dict()
+    costs["rank_slowdown"] = {canon[r]: f for r, f in profile.rank_slowdown.items()
+                              if r in canon}
+    costs["notes"] = []                # words, not costs: a recalibration adds to them
+    # a recovery's plans are named 0..n-1 already (ExecutionPlan.renumbered)
+    same = names[-1] == len(names) - 1
+    hit = _predicted(layout_key(plan if same else plan.relabelled(canon)),
+                     json.dumps(costs, sort_keys=True),
+                     None if start is None else json.dumps(
+                         {canon[r]: t for r, t in start.items() if r in canon}, sort_keys=True))
     return Prediction(hit.iteration_ms, {names[i]: m for i, m in hit.memory_bytes.items()},
                       hit.bubble_fraction, {names[i]: f for i, f in hit.sharing.items()})
 
 
-def _canonical_key(plan: ExecutionPlan, profile: Profile, start: dict[int, float] | None,
-                   canon: dict[int, int]) -> tuple:
-    """What predict_plan's result depends on, with ranks named by `canon`: the layout, every
-    cost of the profile, and the slowdown and start of each rank."""
-    layout = tuple((tuple(p.micro_batches),
-                    tuple((st.layer_start, st.layer_end, tuple(canon[r] for r in st.ranks),
-                           tuple((mb, tuple(canon[r] for r in rs))
-                                 for mb, rs in sorted(st.hosts.items())))
-                          for st in p.stages))
-                   for p in plan.pipelines)
-    costs = repr([getattr(profile, f.name) for f in fields(Profile)
-                  if f.name not in ("rank_slowdown", "notes", "source", "device")])
-    per_rank = tuple((profile.rank_slowdown.get(r), None if start is None else start.get(r))
-                     for r in sorted(canon))
-    return (plan.num_layers, plan.tensor_parallel, plan.micro_batch_size,
-            plan.num_micro_batches, layout, costs, per_rank)
+# A failure's candidates, every later event of a trace and a recalibration predict the same
+# layouts on other GPUs again and again; 4096 predictions are a few MiB for 32-GPU plans.
+@functools.lru_cache(maxsize=4096)
+def _predicted(layout: str, costs: str, start: str | None) -> Prediction:
+    """_predict_plan of a layout, a profile and each rank's start, all as JSON (the key)."""
+    return _predict_plan(ExecutionPlan.from_json(layout), Profile.from_dict(json.loads(costs)),
+                         None if start is None else
+                         {int(r): t for r, t in json.loads(start).items()})
 
 
 def _predict_plan(plan: ExecutionPlan, profile: Profile,

@@ -1,7 +1,6 @@
 """The performance model: predictions on small schedules computed by hand, parameter counts,
 profiles on disk, and the fit of per-layer costs."""
 
-import collections
 import dataclasses
 import json
 import math
@@ -195,7 +194,7 @@ def test_predict_plan_equals_the_whole_plans_prediction(world, tp, depth, batch,
     simulated, one tensor-parallel shard of each stage, with every reduction costed for its
     whole group: the same time and memory."""
     plan = reroute(ExecutionPlan.failure_free(world, tp, depth, 4, 2, batch), lost)
-    monkeypatch.setattr(perf_model, "_PREDICTIONS", collections.OrderedDict())
+    perf_model._predicted.cache_clear()
     simulate = perf_model.simulate
     simulated = []
 
@@ -222,7 +221,7 @@ def test_predict_plan_equals_the_whole_plans_prediction(world, tp, depth, batch,
 def test_a_layout_on_other_gpus_is_predicted_once_and_as_itself(monkeypatch):
     """A trace meets the same layouts on other GPUs again and again: predicted once, with the
     slow GPU and the memory named after the GPUs, each the prediction of that plan afresh."""
-    monkeypatch.setattr(perf_model, "_PREDICTIONS", collections.OrderedDict())
+    perf_model._predicted.cache_clear()
     simulate = perf_model.simulate
     simulated = []
 
