@@ -4,6 +4,7 @@ tables that launch CPU runs are in tests/e2e/test_reproduce_runs.py and
 tests/e2e/test_executed_traces.py."""
 
 import dataclasses
+import importlib
 import math
 import re
 import subprocess
@@ -21,7 +22,7 @@ from tests.launch import REPO, read_csv
 from tools.reproduce import cluster, executed, simulate, traces
 from tools.reproduce.__main__ import main
 from tools.reproduce.tables import (AUTO_TOLERANCE, BEST_FIXED, FIXED_KIND, PAPER_RATIOS,
-                                    TRACE_MODEL, Options, stage_groups, trace_outcomes,
+                                    TRACE_MODEL, Options, trace_outcomes,
                                     trace_set)
 
 
@@ -147,7 +148,7 @@ def test_the_full_trace_set_has_every_kind_at_each_seed_under_distinct_names():
 
 @pytest.mark.parametrize("model,tp", [(TRACE_MODEL, 1), ("6.7B", 2), ("13B", 4)])
 def test_a_stage_outage_loses_three_replicas_of_one_stage_within_minutes_for_3_h(model, tp):
-    stages = stage_groups(cluster.setup(model, tp))
+    stages = traces.stage_groups(cluster.setup(model, tp).plan)
     for seed in range(5):
         t = traces.stage_outage(stages, 48.0, seed)
         fails = [e for e in t.events if e.kind == "fail"]
@@ -162,8 +163,39 @@ def test_a_stage_outage_loses_three_replicas_of_one_stage_within_minutes_for_3_h
         assert t.repair_h == 3.0
 
 
+def test_the_executed_stage_outage_is_table_2s_at_every_iterations_an_hour(tmp_path):
+    """tools/bench/traces.py --stage-outage executes table 2's designed trace, not one of its
+    own: the same GPUs of one stage in the same order, an iteration apart at least, each back
+    after 3 hours of iterations. There the model has auto leave the reroute that piles three
+    replicas' micro-batches on the stage's last one for hours."""
+    c = executed.Config(8, 2, 33.0, executed.default_profile(tmp_path / "device.json"), "", 12)
+    pace = predict_plan(c.plan, c.device).iteration_ms
+    for seed in range(3):
+        t = executed.stage_outage(48, 12, c.plan, seed)
+        hours = traces.stage_outage(traces.stage_groups(c.plan), 4.0, seed)
+        assert [k.rank for k in t.kills] == [e.gpu for e in hours.events if e.kind == "fail"]
+        at = [k.iteration for k in t.kills]
+        assert executed.FIRST_KILL <= at[0] and all(b > a for a, b in zip(at, at[1:]))
+        assert t.repair == 36 and at[-1] - at[0] <= 3
+        sps = {p.name: executed.predicted(t, c, p, pace, c.device, 0.0).samples_per_s(
+            c.global_batch) for p in simulate.POLICIES if p.name in ("auto", "recycle")}
+        assert sps["auto"] > 1.1 * sps["recycle"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--skip-fixed"], "--skip-fixed leaves no trace"),
+    (["--skip-fixed", "--stage-outage", "--iters", "9"], "leave no room for the stage outage"),
+])
+def test_executed_traces_that_cannot_be_placed_are_one_line_and_exit_2(argv, says, tmp_path,
+                                                                         capsys):
+    bench = importlib.import_module("tools.bench.traces")
+    assert bench.main(argv + ["--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.strip().count("\n") == 0
+
+
 def test_hourly_losses_alternate_between_two_stages_and_are_back_in_5_minutes():
-    stages = stage_groups(cluster.setup(TRACE_MODEL))
+    stages = traces.stage_groups(cluster.setup(TRACE_MODEL).plan)
     stage_of = {g: j for j, groups in enumerate(stages) for grp in groups for g in grp}
     for seed in range(5):
         t = traces.alternating_stages(stages, 12.0, seed)

@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the fixed-interval trace: a kill every this many iterations")
     p.add_argument("--poisson", type=float, default=None, metavar="MEAN",
                    help="also a Poisson trace of this mean interval, in iterations")
+    p.add_argument("--stage-outage", action="store_true",
+                   help="also table 2's designed trace: three of one stage's replicas lost "
+                        "minutes apart, each back after 3 trace hours")
+    p.add_argument("--skip-fixed", action="store_true",
+                   help="leave the fixed-interval trace out (--every still sets the trace hour)")
     p.add_argument("--repair", type=int, default=None,
                    help="iterations until a killed slot starts again (default: 3/4 of "
                         "--every); 0: never")
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{executed.FIRST_KILL + executed.LAST_MARGIN}, --repeats at least 1")
     if a.dilation <= 0 or (a.poisson is not None and a.poisson <= 0):
         return _fail("--dilation and --poisson must be positive")
+    if a.skip_fixed and a.poisson is None and not a.stage_outage:
+        return _fail("--skip-fixed leaves no trace: add --poisson or --stage-outage")
     if a.profile is not None and not a.profile.is_file():
         return _fail(f"--profile {a.profile}: no such file")
     if a.from_runs is not None and not a.from_runs.is_file():
@@ -97,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if "auto" not in a.policies:
                 return _fail("--policies must include auto (the ratios are auto over each)")
-            cmp = _run(a, work)
+            try:
+                cmp = _run(a, work)
+            except executed.TraceSetError as e:
+                return _fail(str(e))
             if a.save_runs is not None:
                 a.save_runs.write_text(cmp.to_json())
         _report(cmp)
@@ -109,7 +119,8 @@ def _run(a: argparse.Namespace, work: Path) -> executed.Comparison:
     data = ensure_builtin_dataset(quiet=True, progress=False)
     profile = a.profile or executed.default_profile(work / "device.json")
     c = executed.Config(a.ranks, a.pipeline, a.dilation, profile, data, a.every)
-    trs = executed.trace_set(a.iters, a.every, a.poisson, c.plan, repair, a.seed)
+    trs = executed.trace_set(a.iters, a.every, a.poisson, c.plan, repair, a.seed,
+                             fixed=not a.skip_fixed, outage=a.stage_outage)
     policies = [q for q in simulate.POLICIES if q.name in a.policies]
     print(f"{a.ranks} emulated ranks, pipeline {a.pipeline}, dilation {a.dilation:g}; "
           f"one trace hour = {a.every} iterations (compression {c.compression:.0f}x): "

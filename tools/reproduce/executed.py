@@ -87,6 +87,10 @@ class TraceError(RuntimeError):
     """A run of an executed trace that did not end as it should; the message says which."""
 
 
+class TraceSetError(ValueError):
+    """Traces that cannot be placed on the iterations asked for; the message says why."""
+
+
 @dataclass(frozen=True)
 class Kill:
     iteration: int                     # killed in the middle of this iteration's failure-free time
@@ -207,13 +211,37 @@ def poisson(iterations: int, mean: float, plan: ExecutionPlan, repair: int | Non
                          _victims(at, plan, rng))
 
 
+def stage_outage(iterations: int, every: int, plan: ExecutionPlan,
+                 seed: int = 0) -> ExecutedTrace:
+    """Table 2's designed trace traces.stage_outage (three of one stage's replicas lost minutes
+    apart, each back after 3 hours) at `every` iterations an hour: each loss in the iteration
+    its hour falls in, or the one after the loss before it (the injector kills at most one
+    rank an iteration), never before FIRST_KILL."""
+    t = traces.stage_outage(traces.stage_groups(plan), iterations / every, seed)
+    kills: list[Kill] = []
+    for e in t.events:
+        if e.kind == "fail":
+            at = max(math.ceil(e.hour * every), FIRST_KILL,
+                     kills[-1].iteration + 1 if kills else 0)
+            kills.append(Kill(at, e.gpu))
+    if kills[-1].iteration > iterations - LAST_MARGIN:
+        raise TraceSetError(f"{iterations} iterations leave no room for the stage outage's "
+                            "losses at iterations "
+                            f"{', '.join(str(k.iteration) for k in kills)}")
+    return ExecutedTrace(t.name, iterations, t.mtbf_h * every, round(t.repair_h * every),
+                         tuple(kills))
+
+
 def trace_set(iterations: int, every: int, poisson_mean: float | None,
-              plan: ExecutionPlan,
-              repair: int | None, seed: int) -> list[ExecutedTrace]:
-    """The fixed-interval trace, and a Poisson one when `poisson_mean` is given."""
-    trs = [fixed_interval(iterations, every, plan, repair, seed)]
+              plan: ExecutionPlan, repair: int | None, seed: int, fixed: bool = True,
+              outage: bool = False) -> list[ExecutedTrace]:
+    """The fixed-interval trace (unless not `fixed`), a Poisson one when `poisson_mean` is
+    given, and table 2's stage outage with `outage` (its own repair: 3 hours)."""
+    trs = [fixed_interval(iterations, every, plan, repair, seed)] if fixed else []
     if poisson_mean is not None:
         trs.append(poisson(iterations, poisson_mean, plan, repair, seed))
+    if outage:
+        trs.append(stage_outage(iterations, every, plan, seed))
     return trs
 
 

@@ -248,18 +248,11 @@ class KindTrace:
     trace: traces.Trace
 
 
-def stage_groups(setup: cluster.Setup) -> traces.StageGroups:
-    """The failure-free plan's GPUs by stage and replica (its rank r is GPU r)."""
-    plan = setup.plan
-    return [[pipe.stages[j].ranks for pipe in plan.pipelines]
-            for j in range(len(plan.pipelines[0].stages))]
-
-
 def trace_set(o: Options, setup: cluster.Setup) -> list[KindTrace]:
     """Every kind at o.seeds seeds: Oobleck's fixed intervals, Poisson with repair, and the
     designed traces, placed on the setup's failure-free stages."""
     intervals = (1.0, 1 / 6) if o.quick else traces.FIXED_INTERVALS_H
-    stages = stage_groups(setup)
+    stages = traces.stage_groups(setup.plan)
     out = []
     for seed in range(o.seed, o.seed + o.seeds):
         kinds = [(FIXED_KIND, traces.fixed_interval(h, cluster.GPUS, o.span_h, o.repair_h, seed))
@@ -451,14 +444,14 @@ def traces_table(ctx: Context) -> Section:
 # The executed traces: --quick runs one kill on a short job, under auto, an in-process fixed
 # policy and Megatron's relaunches (the others are in-process strategies like it), at a
 # dilation too small to be a valid emulation on 2 cores (it shows the machinery, the table
-# says so); the full version runs every policy on two traces with rejoins at a dilation valid
-# at 8 ranks here. The quick job's 9 iterations
+# says so); the full version runs every policy on three traces with rejoins (fixed intervals,
+# Poisson, the stage outage) at a dilation valid at 8 ranks here. The quick job's 9 iterations
 # are the fewest around its kill at 6: the calibration's warm-up before it (executed.FIRST_KILL),
 # the margin to recover after it (LAST_MARGIN).
 EXECUTED_QUICK = dict(iterations=9, every=6, repair=None, dilation=3.0, poisson=False,
-                      policies=("auto", "recycle", "megatron"))
+                      outage=False, policies=("auto", "recycle", "megatron"))
 EXECUTED_FULL = dict(iterations=48, every=12, repair=executed.default_repair(12), dilation=33.0,
-                     poisson=True, policies=tuple(p.name for p in simulate.POLICIES))
+                     poisson=True, outage=True, policies=tuple(p.name for p in simulate.POLICIES))
 
 
 def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
@@ -472,7 +465,7 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
                         executed.default_profile(work / "device.json"), runs.dataset(),
                         e["every"])
     trs = executed.trace_set(e["iterations"], e["every"], e["every"] if e["poisson"] else None,
-                             c.plan, e["repair"], o.seed)
+                             c.plan, e["repair"], o.seed, outage=e["outage"])
     load = load_note()
     policies = [p for p in simulate.POLICIES if p.name in e["policies"]]
     with tqdm(total=1 + len(trs) * len(policies), desc="table 2: executed runs",
@@ -509,8 +502,9 @@ def _executed_traces(o: Options) -> tuple[list[Table], list[str], list[float]]:
                                   ("predicted / failure-free (model)", r), ("recoveries", ""),
                                   ("rejoins", ""), ("loss vs failure-free", "{:.1e}"),
                                   ("overrun %", "{:.2f}"), ("valid emulation", "")], rows)]
-    repair = (f"each killed slot is started again {trs[0].repair} iterations of failure-free "
-              "time after its kill and joins the job" if trs[0].repair else "no rejoins")
+    repair = "; ".join(
+        f"{t.name}: each killed slot started again {t.repair} iterations of failure-free time "
+        "after its kill, joining the job" if t.repair else f"{t.name}: no rejoins" for t in trs)
     notes = [
         f"**Executed traces (measured):** {c.ranks} ranks on this machine, pipeline 2 x data "
         f"{c.ranks // 2} (layers {cluster.stage_sizes(c.plan)}: the planner's balance), each "

@@ -18,9 +18,17 @@ import math
 import random
 from dataclasses import dataclass
 
+from chameleon_ext.plan.execution_plan import ExecutionPlan
+
 FIXED_INTERVALS_H = (6.0, 3.0, 1.0, 0.5, 1 / 6, 1 / 12)
 # The GPUs of the failure-free plan by stage: [stage][replica] -> its tensor-parallel group.
 StageGroups = list[list[list[int]]]
+
+
+def stage_groups(plan: ExecutionPlan) -> StageGroups:
+    """The GPUs of a failure-free plan (its rank r is GPU r) by stage and replica."""
+    return [[pipe.stages[j].ranks for pipe in plan.pipelines]
+            for j in range(len(plan.pipelines[0].stages))]
 
 
 @dataclass(frozen=True)
