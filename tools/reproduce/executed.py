@@ -35,6 +35,7 @@ import functools
 import json
 import math
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -350,7 +351,8 @@ def failure_free(c: Config, iterations: int, workdir: Path) -> Measured:
 
 def run_policy(policy: str, trace: ExecutedTrace, c: Config, ff: Measured,
                workdir: Path) -> Measured:
-    name = f"{policy}-{trace.name.replace(' ', '-').replace(',', '')}"
+    # file names of letters, digits and dashes: the trace names have spaces, commas, quotes
+    name = f"{policy}-{re.sub('[^A-Za-z0-9.]+', '-', trace.name).strip('-')}"
     if policy == MEGATRON:
         return _megatron(trace, c, ff, workdir, name)
     repair = [] if trace.repair is None else [
