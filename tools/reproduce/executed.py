@@ -351,7 +351,7 @@ def failure_free(c: Config, iterations: int, workdir: Path) -> Measured:
 
 def run_policy(policy: str, trace: ExecutedTrace, c: Config, ff: Measured,
                workdir: Path) -> Measured:
-    # file names of letters, digits and dashes: the trace names have spaces, commas, quotes
+    # file names of letters, digits, dots and dashes: the trace names have spaces, commas, quotes
     name = f"{policy}-{re.sub('[^A-Za-z0-9.]+', '-', trace.name).strip('-')}"
     if policy == MEGATRON:
         return _megatron(trace, c, ff, workdir, name)
