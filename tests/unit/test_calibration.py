@@ -112,6 +112,25 @@ def test_samples_travel_through_the_store_for_their_generation_only():
     assert live.profile(PLAN, [10, 11, 12, 13]).layer_fwd_ms == pytest.approx(2.0)
 
 
+def test_a_plan_not_measured_yet_is_predicted_with_the_latest_calibration():
+    """A loss a few iterations after the last recovery: the plan it interrupts has no samples
+    yet, so the leader (another process: the same store) predicts with the profile fitted
+    under the plan before, its slow rank renamed from launch rank 12 to its new number."""
+    store = dist.HashStore()
+    for s in samples(slow={2: 3.0}):
+        store.set(sample_key(10 + s.rank), json.dumps({"generation": 0, "sample": s.to_dict()}))
+    fitted = LiveCalibration(store, 10, None, base()).profile(PLAN, [10, 11, 12, 13])
+    assert fitted.rank_slowdown.keys() == {2}
+    leader = LiveCalibration(store, 11, None, base())
+    leader.measured_transition(None, 900.0)
+    later = ExecutionPlan.from_dict({**PLAN.to_dict(), "generation": 1})
+    latest = leader.profile(later, [11, 12, 13, 14])   # launch rank 10 lost, 14 joined
+    assert latest.layer_fwd_ms == pytest.approx(fitted.layer_fwd_ms)
+    assert latest.iteration_overhead_ms == pytest.approx(fitted.iteration_overhead_ms)
+    assert latest.rank_slowdown == {1: fitted.rank_slowdown[2]}
+    assert latest.rebuild_ms == 900.0    # this job's own transitions, measured since
+
+
 def test_prediction_check_leaves_out_the_first_iteration():
     check = PredictionCheck(100.0, 5, "reroute", wanted=2)
     assert not check.add(400.0)

@@ -178,14 +178,18 @@ def test_a_long_repair_after_three_losses_in_one_stage_makes_re_planning_win():
     checkpoint. The horizon rule (a failure every 0.3 h: 469 iterations) reroutes. The slot
     is back only after 6 h: the next failure comes first, and one time in five it takes the
     last holder of stage 0: a restart then that also loses the window's work. Re-planning
-    now is cheaper."""
+    now is cheaper. Where re-parallelization is among the candidates it re-plans the five
+    survivors with their state (1.7 s, nothing trained again): chosen by either rule."""
     plan = pp2_dp4()
     for lost in ({1}, {2}):   # stage 0's ranks, as renumbered after each recovery
         plan = REGISTRY["reroute"].propose(plan, lost, Context(PROFILE)).plan
     s = Situation(iteration=1000, checkpoint_iteration=0, remaining_iterations=100_000,
                   mtbf_hours=0.3, failure_free_ms=predict_plan(plan, PROFILE).iteration_ms,
                   repair_hours=6.0)
-    cycle, horizon = ranked_both(plan, {1}, s)
+    every = ranked_both(plan, {1}, s)
+    assert [choose(ranked).strategy for ranked in every] == ["reparallelize"] * 2
+    assert not choose(every[0]).plan.rerouted and choose(every[0]).plan.world_size == 5
+    cycle, horizon = ranked_both(plan, {1}, s, ("reroute", "restart"))
     assert choose(cycle).strategy == "restart"
     assert choose(horizon).strategy == "reroute"
     reroute = next(c for c in cycle if c.strategy == "reroute")
@@ -224,14 +228,15 @@ def test_a_restart_trains_its_lost_iterations_again_at_its_own_pace():
     after training the 1000 lost iterations again on those 4 ranks: 1920 s. Priced at the
     pace they ran at before the failure (2305 s, as the planner did), the restart cost 140.2 ms
     a sample against rerouting's 133.9, and rerouting was chosen; at the pace the job trains
-    them again it costs 126.8 ms a sample: the restart."""
+    them again it costs 126.8 ms a sample: the restart. (Between these two: a
+    re-parallelization keeps the state and is cheaper than both, as in the test above.)"""
     plan = pp2_dp4()
     for lost in ({1}, {2}):
         plan = REGISTRY["reroute"].propose(plan, lost, Context(PROFILE)).plan
     pace = predict_plan(plan, PROFILE).iteration_ms
     s = Situation(iteration=1001, checkpoint_iteration=1, remaining_iterations=100_000,
                   mtbf_hours=0.576, failure_free_ms=pace)
-    ranked = candidates(plan, {1}, PROFILE, s)
+    ranked = candidates(plan, {1}, PROFILE, s, strategies=("reroute", "restart"))
     by = {c.strategy: c for c in ranked}
     restart, reroute = by["restart"], by["reroute"]
     assert choose(ranked) is restart

@@ -485,3 +485,19 @@ def test_reparallelize_is_never_predicted_slower_than_the_restart_replan(lost):
             iteration=10, checkpoint_iteration=5, remaining_iterations=100,
             failure_free_ms=60.0), ("reparallelize", "restart"))}
     assert ranked["reparallelize"].iteration_ms <= ranked["restart"].iteration_ms + 1e-9
+
+
+def test_a_second_loss_after_a_reroute_re_parallelizes_over_the_survivors():
+    """PP 2 x DP 4 rerouted after losing a last stage, then a second last stage lost: the
+    stage's work on two ranks again, or a restart that trains again since the checkpoint, lose
+    to re-parallelizing the six survivors with their state (a rerouted plan is no dead end)."""
+    situation = Situation(iteration=15, checkpoint_iteration=10, remaining_iterations=200,
+                          failure_free_ms=60.0)
+    first = next(c for c in candidates(pp2_dp4(), {4}, synthetic(), situation, ("reroute",)))
+    lost = {first.plan.pipelines[1].stages[1].ranks[0]}
+    ranked = {c.strategy: c for c in candidates(first.plan, lost, synthetic(), situation)}
+    chosen = choose(list(ranked.values()))
+    assert chosen.strategy == "reparallelize"
+    assert not chosen.plan.rerouted and chosen.plan.world_size == 6
+    assert chosen.iteration_ms < ranked["reroute"].iteration_ms
+    assert chosen.total_ms < ranked["restart"].total_ms

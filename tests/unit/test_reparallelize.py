@@ -46,9 +46,21 @@ def test_pp4_dp2_losing_a_middle_stage_keeps_the_untouched_pipeline():
     assert sum(best) == 7 and reparallelize(plan, {lost}, cost, even).world_size == 7
 
 
-def test_no_reparallelization_from_rerouted_stages():
+def test_a_rerouted_plan_re_parallelizes_over_every_survivor():
+    """PP 2 x DP 4 rerouted after losing pipeline 0's first stage, then pipeline 1's: the two
+    pipelines with a hole give their surviving last stages to the pool, the two untouched
+    pipelines keep their ranks and layers, and every stage of the new plan has ranks."""
     plan = reroute(ExecutionPlan.failure_free(8, 1, 2, 8, 1, 32), {0})
-    assert reparallelize(plan, {1}, cost, even) is None
+    lost = plan.pipelines[1].stages[0].ranks[0]
+    new = reparallelize(plan, {lost}, cost, even, mix=[2, 2, 2])
+    survivors = [r for r in plan.ranks if r != lost]
+    assert not new.rerouted and new.world_size == 6 == len(survivors)
+    assert sorted(mb for p in new.pipelines for mb in p.micro_batches) == list(range(32))
+    for old in plan.pipelines[2:]:
+        kept = [survivors.index(st.ranks[0]) for st in old.stages]
+        assert kept in [[st.ranks[0] for st in p.stages] for p in new.pipelines]
+    pooled = [survivors.index(p.stages[1].ranks[0]) for p in plan.pipelines[:2]]
+    assert pooled in [[st.ranks[0] for st in p.stages] for p in new.pipelines]
 
 
 def test_tensor_parallel_groups_are_the_units():

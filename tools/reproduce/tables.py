@@ -434,8 +434,8 @@ def traces_table(ctx: Context) -> Section:
          f"{(peak + upkeep.memory_bytes) / GIB:.1f} of "
          f"{first.profile.device_memory_bytes / GIB:.0f} GiB).",
          f"auto takes the best prediction at each event, which is not always best over the "
-         f"whole trace (e.g. a rerouted plan cannot be re-parallelized later); the test allows "
-         f"it to trail a fixed policy by {100 * AUTO_TOLERANCE:.0f}% on the fixed-interval and "
+         f"whole trace (it costs the next failure one step ahead, not the plans after it); the "
+         f"test allows it to trail a fixed policy by {100 * AUTO_TOLERANCE:.0f}% on the fixed-interval and "
          "Poisson traces; on the designed ones it may trail more (the summary's min).",
          *measured_notes,
          *lines])

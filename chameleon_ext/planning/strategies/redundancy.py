@@ -27,13 +27,9 @@ def holder_stage(depth: int, stage: int) -> int | None:
     return pair if pair < depth else stage - 1
 
 
-def applies(plan: ExecutionPlan) -> bool:
-    return all(st.ranks for p in plan.pipelines for st in p.stages)
-
-
 def shadow_pairs(plan: ExecutionPlan) -> list[tuple[int, int]]:
     """(owner rank, holder rank) of every shadow copy of `plan`, tensor-parallel shard by shard."""
-    if not applies(plan):
+    if plan.rerouted:
         return []
     pairs = []
     for p in plan.pipelines:

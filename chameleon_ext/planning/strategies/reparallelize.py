@@ -117,11 +117,6 @@ def depth_mixes(groups: int, max_depth: int) -> list[list[int]]:
     return [list(m) for m in sorted(mixes)]
 
 
-def applies(plan: ExecutionPlan) -> bool:
-    """From a plan whose every stage has its ranks."""
-    return all(st.ranks for p in plan.pipelines for st in p.stages)
-
-
 def ranked_mixes(plan: ExecutionPlan, groups: int, stage_cost: StageCost,
                  balance: Balance) -> list[list[int]]:
     """depth_mixes() fastest first by pipeline_time (its slowest pipeline, given its share of
@@ -149,10 +144,11 @@ def reparallelize(plan: ExecutionPlan, failed: set[int] | list[int], stage_cost:
                   balance: Balance, mix: list[int] | None = None) -> ExecutionPlan | None:
     """The plan over plan.survivors(failed) with pipeline depths `mix` (default: ranked_mixes'
     first) of whole tensor-parallel groups, renumbered densely in their old order and the
-    generation advanced. None with rerouted stages, or fewer micro-batches than pipelines."""
+    generation advanced. None with fewer micro-batches than pipelines. From a rerouted plan
+    the pipelines with a stage that has no ranks are broken like those with a lost rank: their
+    surviving groups join the pool (a reroute, then a loss its replicas cannot absorb as fast
+    as a new layout: the re-parallelization Oobleck would have made at the first loss)."""
     failed = set(failed)
-    if not applies(plan):
-        return None
     alive = [g for g in plan.tp_groups() if not failed.intersection(g)]
     total = plan.num_micro_batches
     if mix is None:
@@ -168,11 +164,11 @@ def reparallelize(plan: ExecutionPlan, failed: set[int] | list[int], stage_cost:
     pool: list[list[int]] = []
     for p in plan.pipelines:
         groups = [st.ranks for st in p.stages]
-        if not any(failed.intersection(g) for g in groups) and len(groups) in wanted:
+        if all(g and not failed.intersection(g) for g in groups) and len(groups) in wanted:
             wanted.remove(len(groups))
             chains.append(groups)
         else:
-            pool += [g for g in groups if not failed.intersection(g)]
+            pool += [g for g in groups if g and not failed.intersection(g)]
     for d in wanted:
         chains.append(pool[:d])
         pool = pool[d:]
@@ -199,8 +195,6 @@ class Reparallelize:
     name, restarts = "reparallelize", False
 
     def propose(self, plan: ExecutionPlan, lost: set[int], ctx: Context) -> Proposal | None:
-        if not applies(plan):
-            return None
         if ctx.profile is None:
             new = reparallelize(plan, lost, ctx.stage_cost(),
                                 lambda layers, d: [layers // d + (i < layers % d)
