@@ -4,6 +4,7 @@ samples, and every copy of every parameter stays bit-identical. (`reroute` on th
 tests/e2e/test_reroute_recovery.py's, in every phase of a step; `auto`, which takes one of them,
 is tests/e2e/test_strategy_selection.py's, and every random-instant kill's.)"""
 
+import json
 import re
 
 import pytest
@@ -85,6 +86,36 @@ def test_the_hybrid_reroutes_then_restarts_onto_the_replanned_layout(reference, 
     iters = [e for e in events if e["event"] == "iteration"]
     assert [e["generation"] for e in iters] == [0] * 4 + [1] * 2 + [2] * 4
     assert "> switched at iteration 6 to the restart plan" in run.stdout
+    assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
+
+
+def test_a_rerouted_plan_re_parallelizes_at_its_next_loss(reference, small_data, tmp_path):
+    """The job starts on the plan an earlier loss of pipeline 1's last stage left (its
+    micro-batches hosted by rank 1, pipeline 0's last stage) and then loses rank 0: both
+    pipelines now lack a stage, so reparallelize builds a plan over the two survivors (rank 2
+    holding the first stage's layers, rank 1 the last stage's) on the failure-free losses."""
+    plan = {"num_layers": 4, "tensor_parallel": 1, "micro_batch_size": 2, "num_micro_batches": 8,
+            "pipelines": [
+                {"stages": [{"layer_start": 0, "layer_end": 2, "ranks": [0]},
+                            {"layer_start": 2, "layer_end": 4, "ranks": [1]}],
+                 "micro_batches": [0, 1, 2, 3]},
+                {"stages": [{"layer_start": 0, "layer_end": 2, "ranks": [2]},
+                            {"layer_start": 2, "layer_end": 4, "ranks": [],
+                             "hosts": {str(mb): [1] for mb in range(4, 8)}}],
+                 "micro_batches": [4, 5, 6, 7]}]}
+    path = tmp_path / "rerouted.json"
+    path.write_text(json.dumps(plan))
+    run = run_chameleon(3, common(small_data, 2) + [
+        "--chameleon", "--chameleon-plan", str(path), "--chameleon-strategy", "reparallelize",
+        "--chameleon-inject", "kill:rank=0,iter=5,phase=backward"], tmp_path, name="rerouted")
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = run.metrics
+    assert_close(last_losses(events), reference)
+    iters = {e["iteration"]: e for e in events if e["event"] == "iteration"}
+    assert [iters[i]["consumed_samples"] for i in sorted(iters)] == \
+        [16 * i for i in range(1, ITERS + 1)]
+    [rec] = [e for e in events if e["event"] == "recovery"]
+    assert (rec["strategy"], rec["world"]) == ("reparallelize", 2)
     assert [e["identical"] for e in events if e["event"] == "replicas"] == [True]
 
 
