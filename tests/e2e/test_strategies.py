@@ -4,11 +4,11 @@ samples, and every copy of every parameter stays bit-identical. (`reroute` on th
 tests/e2e/test_reroute_recovery.py's, in every phase of a step; `auto`, which takes one of them,
 is tests/e2e/test_strategy_selection.py's, and every random-instant kill's.)"""
 
-import json
 import re
 
 import pytest
 
+from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, Stage
 from chameleon_ext.planning.perf_model import ModelShape
 from tests.launch import (SMALL_MODEL, assert_close, assert_memory_within_estimates, failure_free,
                           last_losses, run_chameleon)
@@ -94,17 +94,14 @@ def test_a_rerouted_plan_re_parallelizes_at_its_next_loss(reference, small_data,
     micro-batches hosted by rank 1, pipeline 0's last stage) and then loses rank 0: both
     pipelines now lack a stage, so reparallelize builds a plan over the two survivors (rank 2
     holding the first stage's layers, rank 1 the last stage's) on the failure-free losses."""
-    plan = {"num_layers": 4, "tensor_parallel": 1, "micro_batch_size": 2, "num_micro_batches": 8,
-            "pipelines": [
-                {"stages": [{"layer_start": 0, "layer_end": 2, "ranks": [0]},
-                            {"layer_start": 2, "layer_end": 4, "ranks": [1]}],
-                 "micro_batches": [0, 1, 2, 3]},
-                {"stages": [{"layer_start": 0, "layer_end": 2, "ranks": [2]},
-                            {"layer_start": 2, "layer_end": 4, "ranks": [],
-                             "hosts": {str(mb): [1] for mb in range(4, 8)}}],
-                 "micro_batches": [4, 5, 6, 7]}]}
+    rerouted = ExecutionPlan(num_layers=4, tensor_parallel=1, micro_batch_size=2,
+                             num_micro_batches=8, pipelines=[
+                                 Pipeline([Stage(0, 2, [0]), Stage(2, 4, [1])], [0, 1, 2, 3]),
+                                 Pipeline([Stage(0, 2, [2]),
+                                           Stage(2, 4, [], {mb: [1] for mb in range(4, 8)})],
+                                          [4, 5, 6, 7])])
     path = tmp_path / "rerouted.json"
-    path.write_text(json.dumps(plan))
+    rerouted.save(path)
     run = run_chameleon(3, common(small_data, 2) + [
         "--chameleon", "--chameleon-plan", str(path), "--chameleon-strategy", "reparallelize",
         "--chameleon-inject", "kill:rank=0,iter=5,phase=backward"], tmp_path, name="rerouted")
