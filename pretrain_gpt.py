@@ -40,7 +40,9 @@ def model_provider(model: ModelConfig, config, pre_process: bool, post_process: 
         max_sequence_length=model.max_position_embeddings, pre_process=pre_process,
         post_process=post_process, share_embeddings_and_output_weights=model.tied_embeddings,
         position_embedding_type=model.position_embedding_type, rotary_percent=model.rotary_percent,
-        rotary_base=model.rotary_base, pg_collection=pg_collection)
+        rotary_base=model.rotary_base, rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
+        seq_len_interpolation_factor=model.rotary_interpolation, pg_collection=pg_collection)
 
 
 def forward_step(batch: dict | None, model) -> torch.Tensor:

@@ -112,6 +112,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--bf16", action="store_true",
                    help="bf16 parameters and activations (2-byte messages)")
     m.add_argument("--swiglu", action="store_true", help="a gated MLP with SiLU")
+    m.add_argument("--squared-relu", action="store_true", help="relu(x)^2 instead of GELU")
+    m.add_argument("--quick-geglu", action="store_true", help="a gated MLP with quick GELU")
     m.add_argument("--group-query-attention", action="store_true")
     m.add_argument("--num-query-groups", type=int, default=1,
                    help="key/value heads with --group-query-attention (default 1)")
@@ -175,6 +177,10 @@ def _check(args: argparse.Namespace) -> None:
                                        args.num_attention_heads % args.num_query_groups):
         raise InputError(f"--num-attention-heads {args.num_attention_heads} is not divisible "
                          f"by --num-query-groups {args.num_query_groups}")
+    activations = [f for f, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
+                                   ("--quick-geglu", args.quick_geglu)) if on]
+    if len(activations) > 1:
+        raise InputError(f"{' and '.join(activations)} exclude each other")
     if ffn_hidden_size(args) < 1:
         raise InputError(f"--swiglu's default --ffn-hidden-size is 0 at --hidden-size "
                          f"{args.hidden_size}: give one")
@@ -234,7 +240,8 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       ffn_hidden_size=ffn_hidden_size(args),
                       bytes_per_element=2 if args.bf16 else 4,
                       num_query_groups=args.num_query_groups if args.group_query_attention else 0,
-                      kv_channels=args.kv_channels or 0, gated_linear_unit=args.swiglu,
+                      kv_channels=args.kv_channels or 0,
+                      gated_linear_unit=args.swiglu or args.quick_geglu,
                       add_bias_linear=not args.disable_bias_linear,
                       tied_embeddings=not args.untie_embeddings_and_output_weights,
                       learned_positions=args.position_embedding_type == "learned_absolute",
@@ -359,14 +366,16 @@ def _build_model(torch, args, layers: int, cuda: bool, dtype):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+
+    from megatron.training.training import activation_func
     shape = model_shape(args)
     full = args.recompute_granularity == "full"
     config = TransformerConfig(
         num_layers=layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=shape.ffn,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        kv_channels=args.kv_channels, gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        kv_channels=args.kv_channels, gated_linear_unit=shape.gated_linear_unit,
+        activation_func=activation_func(args.swiglu, args.squared_relu, args.quick_geglu),
         add_bias_linear=not args.disable_bias_linear, qk_layernorm=args.qk_layernorm,
         normalization=args.normalization, num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=shape.moe_ffn if args.num_experts else None,

@@ -12,10 +12,47 @@ import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 
 class PlanError(ValueError):
     """A plan that cannot run; the message says what is wrong."""
+
+
+def stage_bounds(num_layers: int, stages: int, first: int | None = None,
+                 last: int | None = None) -> list[int]:
+    """The layer boundaries [0, b1, ..., num_layers] of `stages` pipeline stages: `first` and
+    `last` layers on the end stages where given, the rest split evenly over the others, as
+    Megatron-LM splits them (the even split has to come out whole)."""
+    def fail(msg: str) -> NoReturn:
+        raise PlanError(msg)
+
+    fixed = [n for n in (first, last) if n is not None]
+    if any(n < 1 for n in fixed):
+        fail("the first and last stages' layers must be at least 1")
+    ends = len(fixed)
+    if ends and stages < 2:
+        fail("uneven first or last stages need a pipeline of at least 2 stages")
+    rest, middle = num_layers - sum(fixed), stages - ends
+    given = " and ".join(f"{n} on the {end} stage" for n, end in ((first, "first"),
+                                                                  (last, "last"))
+                         if n is not None)
+    if rest < middle or (middle == 0 and rest != 0):
+        fail(f"{num_layers} layers do not fill {stages} stages with {given}")
+    if middle and rest % middle:
+        fail(f"number of layers {num_layers} is not divisible by pipeline parallel size "
+             f"{stages}" if not ends else
+             f"with {given}, the other {middle} stage(s) cannot split the {rest} layers left "
+             "evenly")
+    sizes = [rest // middle if middle else 0] * stages
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return bounds
 
 
 @dataclass
@@ -65,9 +102,13 @@ class ExecutionPlan:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def failure_free(cls, world_size: int, tensor_parallel: int, pipeline_parallel: int,
-                     num_layers: int, micro_batch_size: int, global_batch_size: int
-                     ) -> "ExecutionPlan":
-        """Megatron's homogeneous layout, in its rank order (tp fastest, then dp, then pp)."""
+                     num_layers: int, micro_batch_size: int, global_batch_size: int,
+                     first_stage_layers: int | None = None,
+                     last_stage_layers: int | None = None) -> "ExecutionPlan":
+        """Megatron's homogeneous layout, in its rank order (tp fastest, then dp, then pp);
+        with `first_stage_layers` / `last_stage_layers` (Megatron-LM's
+        --decoder-first/last-pipeline-num-layers) those stages hold that many layers and the
+        stages between split the rest evenly."""
         if tensor_parallel < 1 or pipeline_parallel < 1:
             raise PlanError("tensor and pipeline parallel sizes must be at least 1")
         if world_size < 1 or micro_batch_size < 1:
@@ -78,19 +119,17 @@ class ExecutionPlan:
                 f"world size {world_size} is not divisible by tensor parallel size {tensor_parallel}"
                 f" x pipeline parallel size {pipeline_parallel}")
         dp = world_size // (tensor_parallel * pipeline_parallel)
-        if num_layers % pipeline_parallel != 0:
-            raise PlanError(f"number of layers {num_layers} is not divisible by pipeline parallel "
-                            f"size {pipeline_parallel}")
+        bounds = stage_bounds(num_layers, pipeline_parallel, first_stage_layers,
+                              last_stage_layers)
         if global_batch_size % (micro_batch_size * dp) != 0:
             raise PlanError(f"global batch size {global_batch_size} is not divisible by micro batch "
                             f"size {micro_batch_size} x data parallel size {dp}")
         num_mb = global_batch_size // micro_batch_size
         per_pipeline = num_mb // dp
-        per_stage = num_layers // pipeline_parallel
         pipelines = []
         for d in range(dp):
             stages = [
-                Stage(s * per_stage, (s + 1) * per_stage,
+                Stage(bounds[s], bounds[s + 1],
                       [t + tensor_parallel * (d + dp * s) for t in range(tensor_parallel)])
                 for s in range(pipeline_parallel)
             ]

@@ -35,19 +35,15 @@ PlacementKind = Literal["spread", "megatron"]
 PLACEMENTS: tuple[PlacementKind, ...] = ("spread", "megatron")
 
 
-def place(kind: PlacementKind, nodes: dict[int, int], tensor_parallel: int,
-          pipeline_parallel: int, num_layers: int, micro_batch_size: int,
-          global_batch_size: int) -> ExecutionPlan:
-    """The failure-free plan of this shape over the ranks of `nodes` (rank -> node), placed by
-    `kind`."""
+def place(kind: PlacementKind, nodes: dict[int, int], plan: ExecutionPlan) -> ExecutionPlan:
+    """`plan`, a failure-free plan in Megatron's rank order, over the ranks of `nodes`
+    (rank -> node), placed by `kind`."""
     if kind not in PLACEMENTS:
         raise PlanError(f"unknown placement {kind!r} (one of {', '.join(PLACEMENTS)})")
     world = len(nodes)
-    if sorted(nodes) != list(range(world)):
-        raise PlanError(f"placement needs the node of every rank 0..{world - 1}; "
+    if sorted(nodes) != list(range(world)) or plan.world_size != world:
+        raise PlanError(f"placement needs the node of every rank 0..{plan.world_size - 1}; "
                         f"got ranks {sorted(nodes)}")
-    plan = ExecutionPlan.failure_free(world, tensor_parallel, pipeline_parallel, num_layers,
-                                      micro_batch_size, global_batch_size)
     return plan if kind == "megatron" else _spread(plan, nodes)
 
 

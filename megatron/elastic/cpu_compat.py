@@ -42,6 +42,10 @@ distributed.distributed_data_parallel           ``torch.cuda.Stream`` for the in
                                                 all-reduce (--num-distributed-optimizer-instances);
                                                 streams, ``torch.cuda.stream`` and ``wait_stream``
                                                 are no-ops here (a CPU process runs its ops in order)
+transformer.moe.token_dispatcher                the all-to-all dispatcher (--moe-token-dispatcher-
+                                                type alltoall) copies its token counts to the host
+                                                on a ``torch.cuda.Stream`` and waits on its event:
+                                                a no-op stream here, whose event is already done
 optimizer.distrib_optimizer                     accepts only parameters whose ``type()`` is
                                                 ``torch.cuda.FloatTensor`` (or Half/BFloat16):
                                                 while it builds its shards, each CPU parameter
@@ -79,6 +83,7 @@ PATCHED_MODULES = (
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.transformer.moe.token_dispatcher",
 )
 
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor")
@@ -106,6 +111,12 @@ class _NoStream:
     """A CUDA stream on the CPU: a process's ops already run in the order it issues them."""
 
     def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self) -> "_NoStream":
+        return self    # an event whose work is done: the ops before it already ran
+
+    def synchronize(self) -> None:
         pass
 
 

@@ -21,9 +21,10 @@ from megatron.elastic.config import (ConfigError, ElasticConfig, Executor, Redun
                                      ShardRedundancy, Strategy, Timeouts)
 from megatron.elastic.emulation import STORAGE_MIB_PER_S
 from megatron.training.batch_ramp import BatchRamp
+from chameleon_ext.plan.execution_plan import PlanError, stage_bounds
 from megatron.training.config import (AttentionBackend, Backend, CheckpointConfig, DataConfig, JobConfig,
                                       DataloaderType, LoadBalancing, LoggingConfig,
-                                      LRDecayStyle, ModelConfig, Normalization,
+                                      LRDecayStyle, ModelConfig, MoERouterDtype, Normalization,
                                       ParallelConfig, Placement, PositionEmbedding,
                                       RecomputeGranularity, RecomputeMethod, TrainingConfig,
                                       TransformerImpl)
@@ -65,6 +66,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--swiglu", action="store_true",
                    help="a gated MLP with SiLU (default --ffn-hidden-size then: 2/3 of 4 x hidden, "
                         "rounded down to a multiple of 64, as Megatron-LM)")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="relu(x)^2 in the MLP instead of GELU")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="a gated MLP with quick GELU (x * sigmoid(1.702 x))")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1,
                    help="key/value heads with --group-query-attention")
@@ -76,6 +81,18 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="the same as --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                   help="RoPE positions divided by this factor (position interpolation)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x's scaling of the RoPE frequencies")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="with --use-rope-scaling")
+    g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
+                   help="rope (yarn is refused: it goes with multi-latent attention)")
+    g.add_argument("--no-position-embedding", action="store_false",
+                   dest="add_position_embedding",
+                   help="deprecated in Megatron-LM: with --position-embedding-type rope there is "
+                        "no learned position embedding; refused with any other type")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="normalise queries and keys per head")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
@@ -85,10 +102,27 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--apply-query-key-layer-scaling", action="store_true",
                    help="scale Q x K^T by 1 / layer number (softmax in fp32)")
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="the same as --attention-backend flash")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="refused: only standard and grouped-query attention")
+    g.add_argument("--window-size", default=None,
+                   help="refused: no sliding-window attention in the local layers")
     g.add_argument("--use-mcore-models", action="store_true",
                    help="accepted: every model here is megatron-core's")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="refused: torch's norms have no zero-centred gamma")
+
+    g = p.add_argument_group(
+        "fusions", "megatron-core's fused kernels are not used here (every fusion is off), so "
+        "each of these holds as given")
+    for flag, what in (("masked-softmax", "scaling, masking and softmax"),
+                       ("bias-gelu", "bias and GELU"), ("bias-swiglu", "bias and SwiGLU"),
+                       ("bias-dropout", "bias, dropout and residual add"),
+                       ("rope", "rotary embedding"),
+                       ("gradient-accumulation", "weight-gradient accumulation")):
+        g.add_argument(f"--no-{flag}-fusion", action="store_true",
+                       help=f"unfused {what}")
 
     g = p.add_argument_group("moe", "mixture of experts (expert parallel 1)")
     g.add_argument("--num-experts", type=int, default=None,
@@ -105,6 +139,17 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="only 1: experts are replicated like any layer")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="refused: a CUDA kernel")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"),
+                   default="allgather", help="how tokens reach their experts (flex is refused: "
+                                             "it needs DeepEP)")
+    g.add_argument("--moe-router-dtype", choices=get_args(MoERouterDtype), default=None,
+                   help="the router's logits and probabilities in this precision")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                   help="the router's z-loss (ST-MoE) at this weight")
+    g.add_argument("--moe-layer-freq", default="1",
+                   help="only 1: every layer is an MoE layer")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="refused: a CUDA kernel")
 
     g = p.add_argument_group("activation recompute")
     g.add_argument("--recompute-activations", action="store_true",
@@ -115,6 +160,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="with full: uniform (groups of --recompute-num-layers) or block (the "
                         "first --recompute-num-layers layers of each stage)")
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="refused, as in Megatron-LM: use --recompute-activations")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
@@ -132,6 +179,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--fp8-format", default=None, help="refused: fp8 needs transformer-engine "
                                                       "on Hopper GPUs")
+    g.add_argument("--fp8-param-gather", action="store_true", help="refused: fp8")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="exit (saving a checkpoint with --save) after an iteration divisible by it")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
@@ -152,8 +200,15 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="refused: the vocab-parallel cross entropy runs unfused")
     g.add_argument("--profile", action="store_true", help="refused: no profiler hooks yet")
+    g.add_argument("--profile-step-start", type=int, default=10, help="with --profile")
+    g.add_argument("--profile-step-end", type=int, default=12, help="with --profile")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="go on when the loss is not finite (default: stop with an error)")
 
     g = p.add_argument_group("learning rate and optimizer")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="adam (sgd is refused: a recovery carries Adam's moments)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=get_args(LRDecayStyle), default="linear")
@@ -205,6 +260,18 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "--tensor-model-parallel-size 1, as in Megatron-LM")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients in bf16 (with --bf16; default fp32)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and reduce gradients in fp32: the default here; "
+                        "--grad-reduce-in-bf16 overrides it, as in Megatron-LM")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first pipeline stage (the stages between the first and "
+                        "last split the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last pipeline stage")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="refused: --use-distributed-optimizer shards the optimizer state")
+    g.add_argument("--use-nccl-ub", action="store_true",
+                   help="refused: NCCL user-buffer registration is not supported")
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -413,9 +480,12 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             init_method_std=args.init_method_std, transformer_impl=args.transformer_impl,
             bf16=args.bf16, fp16=args.fp16, swiglu=args.swiglu,
+            squared_relu=args.squared_relu, quick_geglu=args.quick_geglu,
             num_query_groups=args.num_query_groups if args.group_query_attention else None,
             add_bias_linear=not args.disable_bias_linear, kv_channels=args.kv_channels,
             rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+            rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+            rotary_interpolation=args.rotary_seq_len_interpolation_factor,
             qk_layernorm=args.qk_layernorm, norm_epsilon=args.norm_epsilon,
             attention_backend=args.attention_backend,
             apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
@@ -425,6 +495,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             moe_router_load_balancing_type=args.moe_router_load_balancing_type,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff,
             moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_token_dispatcher=args.moe_token_dispatcher_type,
+            moe_router_dtype=args.moe_router_dtype, moe_z_loss_coeff=args.moe_z_loss_coeff,
             recompute_granularity=args.recompute_granularity,
             recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers),
@@ -438,7 +510,9 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             distributed_optimizer=args.use_distributed_optimizer,
             optimizer_instances=args.num_distributed_optimizer_instances,
             overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather),
+            overlap_param_gather=args.overlap_param_gather,
+            first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers),
         training=TrainingConfig(
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             train_iters=args.train_iters, seed=args.seed, lr=args.lr, min_lr=args.min_lr,
@@ -456,7 +530,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             exit_signal_handler=args.exit_signal_handler, manual_gc=args.manual_gc,
             manual_gc_interval=args.manual_gc_interval,
             empty_unused_memory_level=args.empty_unused_memory_level,
-            grad_reduce_in_bf16=args.grad_reduce_in_bf16),
+            grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+            check_for_nan=args.check_for_nan_in_loss_and_grad),
         logging=LoggingConfig(
             log_interval=args.log_interval, timing_log_level=args.timing_log_level,
             tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
@@ -522,10 +597,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         need(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
              f"--pipeline-model-parallel-size {pp}")
-        need(args.num_layers % pp == 0,
-             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        _pipeline_split(args)
         args.data_parallel_size = world_size // (tp * pp)
     else:
+        need(args.decoder_first_pipeline_num_layers is None
+             and args.decoder_last_pipeline_num_layers is None,
+             "--decoder-first/last-pipeline-num-layers go with the homogeneous plan: "
+             "--chameleon-plan sets its own stages")
         need(Path(args.chameleon_plan).is_file(), f"--chameleon-plan {args.chameleon_plan}: no such file")
         args.data_parallel_size = None
         need(args.chameleon_executor == "ir",
@@ -572,6 +650,22 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
              f"{flag} {size} is not divisible by --tensor-model-parallel-size {tp}")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    activations = [f for f, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
+                                   ("--quick-geglu", args.quick_geglu)) if on]
+    need(len(activations) <= 1, f"{' and '.join(activations)} exclude each other")
+    rope = args.position_embedding_type == "rope"
+    # Megatron-LM: the flag is deprecated, and means nothing more than rope's own lack of one
+    need(args.add_position_embedding or rope,
+         "--no-position-embedding is deprecated (as in Megatron-LM): use "
+         "--position-embedding-type rope")
+    need(not args.use_rope_scaling or rope, "--use-rope-scaling needs --position-embedding-type rope")
+    need(args.rope_scaling_factor > 0, "--rope-scaling-factor must be positive")
+    need(args.rotary_seq_len_interpolation_factor is None
+         or (rope and args.rotary_seq_len_interpolation_factor >= 1),
+         "--rotary-seq-len-interpolation-factor needs --position-embedding-type rope and a "
+         "factor of at least 1")
+    need(args.moe_z_loss_coeff is None or args.moe_z_loss_coeff >= 0,
+         "--moe-z-loss-coeff must be non-negative")
     need(0.0 < args.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1]")
     need(args.norm_epsilon > 0, "--norm-epsilon must be positive")
     if args.num_experts is not None:
@@ -702,6 +796,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         except ProfileError as e:
             raise ArgumentError(f"--chameleon-emulate: {e}") from None
 
+    if args.use_flash_attn:
+        need(args.attention_backend in ("auto", "flash"),
+             f"--use-flash-attn is --attention-backend flash, not {args.attention_backend}")
+        args.attention_backend = "flash"
     cuda = _cuda_available()
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
@@ -755,6 +853,30 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "not with --chameleon-redundancy eager yet: its shadow copies hold whole optimizer state"),
     ("--fp8-format", lambda a: a.fp8_format is not None,
      "fp8 needs transformer-engine on a Hopper GPU and is not supported yet"),
+    ("--fp8-param-gather", lambda a: a.fp8_param_gather,
+     "fp8 needs transformer-engine on a Hopper GPU and is not supported yet"),
+    ("--checkpoint-activations", lambda a: a.checkpoint_activations,
+     "no longer valid (as in Megatron-LM): use --recompute-activations, or "
+     "--recompute-granularity and --recompute-method"),
+    ("--multi-latent-attention", lambda a: a.multi_latent_attention,
+     "multi-latent attention is not supported: the stage model and the performance model "
+     "know standard and grouped-query attention"),
+    ("--rope-type", lambda a: a.rope_type == "yarn",
+     "yarn goes with multi-latent attention, which is not supported"),
+    ("--window-size", lambda a: a.window_size is not None,
+     "sliding-window attention is not supported: megatron-core's local attention has none"),
+    ("--moe-layer-freq", lambda a: a.moe_layer_freq.strip() != "1",
+     "only 1: every layer is an MoE layer (the performance model costs one kind of layer)"),
+    ("--moe-token-dispatcher-type", lambda a: a.moe_token_dispatcher_type == "flex",
+     "flex needs DeepEP (CUDA); use allgather or alltoall"),
+    ("--moe-permute-fusion", lambda a: a.moe_permute_fusion,
+     "the fused permutation is a CUDA kernel; tokens are permuted unfused"),
+    ("--optimizer", lambda a: a.optimizer != "adam",
+     "only adam: a recovery and a checkpoint carry Adam's moments"),
+    ("--use-megatron-fsdp", lambda a: a.use_megatron_fsdp,
+     "Megatron FSDP is not supported: --use-distributed-optimizer shards the optimizer state"),
+    ("--use-nccl-ub", lambda a: a.use_nccl_ub,
+     "NCCL user-buffer registration is not supported"),
     ("--moe-grouped-gemm", lambda a: a.moe_grouped_gemm,
      "grouped GEMM is a CUDA kernel; experts run as separate MLPs"),
     ("--async-save", lambda a: a.async_save,
@@ -783,6 +905,17 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
     for flag, given, why in _REFUSED:
         if given(args):
             raise ArgumentError(f"{flag}: {why}")
+
+
+def _pipeline_split(args: argparse.Namespace) -> None:
+    """The homogeneous plan's stages: an even split, or Megatron-LM's uneven first and last."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    try:
+        stage_bounds(args.num_layers, args.pipeline_model_parallel_size, first, last)
+    except PlanError as e:
+        flags = ("--num-layers" if first is None and last is None else
+                 "--decoder-first/last-pipeline-num-layers")
+        raise ArgumentError(f"{flags}: {e}") from None
 
 
 def _train_span(args: argparse.Namespace) -> None:

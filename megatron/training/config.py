@@ -25,6 +25,9 @@ AttentionBackend = Literal["auto", "local", "unfused", "flash", "fused"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 LoadBalancing = Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"]
+# --moe-token-dispatcher-type: megatron-core's dispatchers that need no CUDA-only library
+TokenDispatcher = Literal["allgather", "alltoall"]
+MoERouterDtype = Literal["fp32", "fp64"]
 DataloaderType = Literal["single", "cyclic"]
 
 
@@ -48,11 +51,17 @@ class ModelConfig:
     transformer_impl: TransformerImpl = "local"   # --transformer-impl (default: TE with CUDA)
     # Llama-style shapes
     swiglu: bool = False                     # --swiglu: a gated fc1 ([gate, up]) with SiLU
+    squared_relu: bool = False               # --squared-relu: relu(x)^2 instead of GELU
+    quick_geglu: bool = False                # --quick-geglu: a gated fc1 with quick GELU
     num_query_groups: int | None = None      # --num-query-groups with --group-query-attention
     add_bias_linear: bool = True             # not --disable-bias-linear
     kv_channels: int | None = None           # --kv-channels (default hidden / heads)
     rotary_base: int = 10000                 # --rotary-base
     rotary_percent: float = 1.0              # --rotary-percent
+    rope_scaling: bool = False               # --use-rope-scaling: Llama 3.x's RoPE scaling
+    rope_scaling_factor: float = 8.0         # --rope-scaling-factor
+    # --rotary-seq-len-interpolation-factor: positions divided by it (None: not interpolated)
+    rotary_interpolation: int | None = None
     qk_layernorm: bool = False               # --qk-layernorm
     norm_epsilon: float = 1e-5               # --norm-epsilon
     attention_backend: AttentionBackend = "auto"    # --attention-backend
@@ -65,6 +74,9 @@ class ModelConfig:
     moe_router_load_balancing_type: LoadBalancing = "aux_loss"  # --moe-router-load-balancing-type
     moe_aux_loss_coeff: float = 0.0          # --moe-aux-loss-coeff
     moe_router_pre_softmax: bool = False     # --moe-router-pre-softmax
+    moe_token_dispatcher: TokenDispatcher = "allgather"  # --moe-token-dispatcher-type
+    moe_router_dtype: MoERouterDtype | None = None        # --moe-router-dtype (None: params')
+    moe_z_loss_coeff: float | None = None    # --moe-z-loss-coeff
     # Activation recompute: None keeps every activation
     recompute_granularity: RecomputeGranularity | None = None   # --recompute-granularity
     recompute_method: RecomputeMethod | None = None             # --recompute-method
@@ -74,6 +86,11 @@ class ModelConfig:
     # The tokenizer's vocabulary padded to a multiple of --make-vocab-size-divisible-by; known
     # once the tokenizer is built (training.pretrain), 0 until then.
     padded_vocab_size: int = 0
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """fc1 gives [gate, up] (a third matrix's worth of parameters and FLOPs)."""
+        return self.swiglu or self.quick_geglu
 
     def shape_args(self) -> dict:
         """The fields that shape the parameters, as a checkpoint records them for
@@ -85,6 +102,7 @@ class ModelConfig:
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                  "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
                  "position_embedding_type", "normalization", "tied_embeddings", "swiglu",
+                 "squared_relu", "quick_geglu",
                  "num_query_groups", "add_bias_linear", "kv_channels", "rotary_base",
                  "rotary_percent", "qk_layernorm", "norm_epsilon", "num_experts",
                  "moe_ffn_hidden_size", "moe_router_topk")
@@ -115,6 +133,10 @@ class ParallelConfig:
     optimizer_instances: int = 1             # --num-distributed-optimizer-instances
     overlap_grad_reduce: bool = False        # --overlap-grad-reduce
     overlap_param_gather: bool = False       # --overlap-param-gather
+    # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the first and
+    # last stages' layers; the stages between split the rest evenly (None: an even split)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,7 @@ class TrainingConfig:
     manual_gc_interval: int = 0              # --manual-gc-interval (0: at evals and saves only)
     empty_unused_memory_level: int = 0       # --empty-unused-memory-level: CUDA cache release
     grad_reduce_in_bf16: bool = False        # --grad-reduce-in-bf16 (with --bf16)
+    check_for_nan: bool = True               # not --no-check-for-nan-in-loss-and-grad
 
     @property
     def first_global_batch(self) -> int:

@@ -27,7 +27,7 @@ def model_shape(model: ModelConfig, micro_batch_size: int) -> ModelShape:
                       model.seq_length, micro_batch_size, model.padded_vocab_size,
                       model.ffn_hidden_size, 2 if (model.bf16 or model.fp16) else 4,
                       num_query_groups=model.num_query_groups or 0,
-                      kv_channels=model.kv_channels or 0, gated_linear_unit=model.swiglu,
+                      kv_channels=model.kv_channels or 0, gated_linear_unit=model.gated_linear_unit,
                       add_bias_linear=model.add_bias_linear,
                       tied_embeddings=model.tied_embeddings,
                       learned_positions=model.position_embedding_type == "learned_absolute",

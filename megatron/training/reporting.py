@@ -63,7 +63,10 @@ class Reporter:
             self.line(f"> plan: {plan.world_size} ranks, {len(plan.pipelines)} pipeline(s) x "
                       f"{len(plan.pipelines[0].stages)} stage(s), tensor parallel "
                       f"{plan.tensor_parallel}, {plan.num_micro_batches} micro-batches of "
-                      f"{plan.micro_batch_size} per iteration"
+                      f"{plan.micro_batch_size} per iteration, layers per stage "
+                      + " | ".join(dict.fromkeys(   # each pipeline's split, once
+                          ", ".join(str(st.num_layers) for st in p.stages)
+                          for p in plan.pipelines))
                       + (f"; {placement}" if placement else ""))
             self.line(f"> {setup}")
             self.line(schedule_line(schedule))

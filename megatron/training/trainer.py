@@ -334,7 +334,7 @@ class Trainer:
         if self.calibration is not None:
             self.calibration.after_iteration(ms)
             self.clock.iteration_ms.append(ms)
-        if not math.isfinite(res.loss):
+        if self.config.training.check_for_nan and not math.isfinite(res.loss):
             raise JobError(f"loss is {res.loss} at iteration {it}")
         log = self.config.logging
         if log.log_timers_to_tensorboard and it % log.log_interval == 0:

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -57,10 +58,17 @@ def _fail(msg: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def activation_func(swiglu: bool, squared_relu: bool, quick_geglu: bool) -> Callable:
+    """The MLP's activation for Megatron-LM's activation flags (GELU without any)."""
+    import torch.nn.functional as F
+    from megatron.core.activations import quick_gelu, squared_relu as relu2
+    return (F.silu if swiglu else relu2 if squared_relu else quick_gelu if quick_geglu
+            else F.gelu)
+
+
 def transformer_config(model: ModelConfig, tensor_parallel: int,
                        sequence_parallel: bool = False):
     """megatron-core's TransformerConfig for the model flags, as Megatron-LM builds it."""
-    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
     dtype = torch.bfloat16 if model.bf16 else torch.float16 if model.fp16 else torch.float32
@@ -68,7 +76,8 @@ def transformer_config(model: ModelConfig, tensor_parallel: int,
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
         num_query_groups=model.num_query_groups, kv_channels=model.kv_channels,
-        gated_linear_unit=model.swiglu, activation_func=F.silu if model.swiglu else F.gelu,
+        gated_linear_unit=model.gated_linear_unit,
+        activation_func=activation_func(model.swiglu, model.squared_relu, model.quick_geglu),
         add_bias_linear=model.add_bias_linear, qk_layernorm=model.qk_layernorm,
         layernorm_epsilon=model.norm_epsilon,
         attention_backend=AttnBackend[model.attention_backend],
@@ -79,6 +88,8 @@ def transformer_config(model: ModelConfig, tensor_parallel: int,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_token_dispatcher_type=model.moe_token_dispatcher,
+        moe_router_dtype=model.moe_router_dtype, moe_z_loss_coeff=model.moe_z_loss_coeff,
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method, recompute_num_layers=model.recompute_num_layers,
         tensor_model_parallel_size=tensor_parallel, sequence_parallel=sequence_parallel,
@@ -123,7 +134,8 @@ def make_plan(config: JobConfig) -> ExecutionPlan:
         return plan
     return ExecutionPlan.failure_free(world, par.tensor_parallel, par.pipeline_parallel,
                                       model.num_layers, training.micro_batch_size,
-                                      training.first_global_batch)
+                                      training.first_global_batch, par.first_stage_layers,
+                                      par.last_stage_layers)
 
 
 def place_on_nodes(config: JobConfig, plan: ExecutionPlan) -> tuple[ExecutionPlan, str | None]:
@@ -134,9 +146,7 @@ def place_on_nodes(config: JobConfig, plan: ExecutionPlan) -> tuple[ExecutionPla
     if par.plan_file or not os.environ.get(STORE_ENV):
         return plan, None
     nodes = nodes_from_store(connect_store(), plan.world_size)
-    placed = placement.place(par.placement, nodes, par.tensor_parallel, par.pipeline_parallel,
-                             config.model.num_layers, config.training.micro_batch_size,
-                             config.training.first_global_batch)
+    placed = placement.place(par.placement, nodes, plan)
     return placed, placement.describe(par.placement, placed, nodes)
 
 

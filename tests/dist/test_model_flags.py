@@ -2,8 +2,10 @@
 grouped-query attention, RMSNorm, RoPE, QK layernorm, untied output, no biases; documents masked
 from each other) on TP 2 x PP 2 with sequence parallelism, a mixture of experts on TP 2 x PP 2
 (which needs sequence parallelism; its per-sequence load-balancing loss scaled like the main
-loss; with full recompute), activation recompute, and a batch-size ramp (4, 8, then 12 samples
-per iteration) give one process's losses (1e-5)."""
+loss; with full recompute), a gpt-oss-style mixture (quick GeGLU experts, Llama 3's RoPE
+scaling, the all-to-all token dispatcher, an fp32 router with z-loss) on Megatron-LM's uneven
+first stage, activation recompute, and a batch-size ramp (4, 8, then 12 samples per iteration)
+give one process's losses (1e-5)."""
 
 import pytest
 
@@ -19,6 +21,11 @@ RAMP = ["--train-samples", "60", "--rampup-batch-size", "4", "4", "16", "--globa
         "12", "--lr-warmup-samples", "8"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
        "--moe-router-load-balancing-type", "seq_aux_loss", "--disable-bias-linear"]
+GPT_OSS = ["--quick-geglu", "--position-embedding-type", "rope", "--no-position-embedding",
+           "--use-rope-scaling", "--rope-scaling-factor", "32", "--num-experts", "4",
+           "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear",
+           "--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32",
+           "--moe-z-loss-coeff", "1e-3", "--no-masked-softmax-fusion", "--no-rope-fusion"]
 
 
 def common(data: str, *model: str) -> list[str]:
@@ -32,11 +39,11 @@ def common(data: str, *model: str) -> list[str]:
 def singles(small_data, tmp_path_factory):
     """One process per model: the references."""
     out = {}
-    for name, model in (("llama", LLAMA), ("moe", MOE), ("ramp", RAMP)):
+    for name, model in (("llama", LLAMA), ("moe", MOE), ("gpt-oss", GPT_OSS), ("ramp", RAMP)):
         run = run_job(1, common(small_data, *model), tmp_path_factory.mktemp(name), name=name)
         assert run.returncode == 0, run.stderr[-3000:]
         out[name] = run.losses()
-    assert len({tuple(v) for v in out.values()}) == 3      # the flags change the model
+    assert len({tuple(v) for v in out.values()}) == 4      # the flags change the model
     return out
 
 
@@ -49,10 +56,13 @@ def singles(small_data, tmp_path_factory):
                    "--recompute-num-layers", "1"], 4, [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--sequence-parallel"]),
+    ("gpt-oss", GPT_OSS, 4, [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--sequence-parallel", "--decoder-first-pipeline-num-layers", "1"]),
     ("ramp", RAMP + ["--recompute-granularity", "full", "--recompute-method", "uniform",
                      "--recompute-num-layers", "1"], 4, ["--pipeline-model-parallel-size", "2"]),
 ], ids=["llama-selective-recompute-tp2xpp2-sp", "moe-seq-aux-loss-full-recompute-tp2xpp2-sp",
-        "ramp-full-recompute-pp2xdp2"])
+        "gpt-oss-style-tp2xpp2-sp-first-stage-1-layer", "ramp-full-recompute-pp2xdp2"])
 def test_model_flags_match_one_process(singles, small_data, tmp_path, name, model, world,
                                        layout):
     run = run_job(world, common(small_data, *model) + layout, tmp_path)

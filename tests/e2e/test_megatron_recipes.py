@@ -60,6 +60,45 @@ def test_megatron_lms_175b_example_flags(small_data, tmp_path):
     assert "pipeline(s) x 2 stage(s), tensor parallel 2" in run.stdout
 
 
+def example_mixtral(data: str, tmp) -> list[str]:
+    """examples/mixtral/train_mixtral_8x7b_distributed.sh's flags, in its order: 8 experts ->
+    4, GQA 8 -> 2 groups, PP 4 -> 2, expert parallel 8 -> 1 (refused above 1), its CUDA-only
+    --moe-grouped-gemm and --bf16 dropped, the built-in data and tokenizer (its --split
+    99990,8,2 leaves the small corpus no validation document: 949,50,1)."""
+    return ["--use-mcore-models", "--disable-bias-linear", *TINY, "--ffn-hidden-size", "96",
+            "--init-method-std", "0.01", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+            "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+            "--untie-embeddings-and-output-weights", "--group-query-attention",
+            "--num-query-groups", "2", "--no-masked-softmax-fusion", "--no-position-embedding",
+            "--rotary-base", "1000000",
+            "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type",
+            "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type",
+            "alltoall", "--overlap-param-gather", "--overlap-grad-reduce",
+            "--data-path", data, "--split", "949,50,1",
+            "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-4",
+            "--train-iters", "4", "--lr-decay-iters", "320000", "--lr-decay-style", "cosine",
+            "--min-lr", "1.0e-5", "--weight-decay", "0.1", "--lr-warmup-iters", "500",
+            "--clip-grad", "1.0",
+            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+            "--expert-model-parallel-size", "1", "--use-distributed-optimizer",
+            "--sequence-parallel",
+            "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000",
+            "--eval-iters", "10", "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"),
+            "--tensorboard-dir", str(tmp / "tb"), "--no-load-optim", "--no-load-rng",
+            "--no-progress-bar"]
+
+
+def test_megatron_lms_mixtral_example_flags_train(small_data, tmp_path):
+    flags = example_mixtral(small_data, tmp_path)
+    r = run_script([*flags, "--moe-grouped-gemm"], env={"WORLD_SIZE": "4"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--moe-grouped-gemm: grouped GEMM is a CUDA kernel" in r.stderr
+    run = run_job(4, flags, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.iterations() == [1, 2, 3, 4]
+    assert "2 pipeline(s) x 2 stage(s)" in run.stdout
+
+
 LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
          "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type",
          "rope", "--untie-embeddings-and-output-weights", "--qk-layernorm",
@@ -82,10 +121,13 @@ def llama_reference(small_data, tmp_path_factory):
 
 
 def test_a_llama_style_recipe_survives_a_kill(llama_reference, small_data, tmp_path):
+    """On Megatron-LM's uneven split (--decoder-last-pipeline-num-layers: 1 + 3 layers)."""
     run = run_chameleon(4, llama(small_data) + [
+        "--decoder-last-pipeline-num-layers", "3",
         "--chameleon", "--chameleon-inject", "kill:rank=3,iter=4,phase=backward"], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert_close(run.losses(), llama_reference)
+    assert "per iteration, layers per stage 1, 3" in run.stdout
     assert len([e for e in run.metrics if e["event"] == "recovery"]) == 1
     replicas = [e for e in run.metrics if e["event"] == "replicas"]
     assert replicas and replicas[0]["identical"], replicas

@@ -26,6 +26,8 @@ HARD_CODED = {
     "megatron.core.transformer.moe.moe_utils": 'torch.zeros(num_layers, device="cuda")',
     "megatron.core.distributed.distributed_data_parallel":
         "torch.cuda.Stream(device=torch.cuda.current_device())",
+    "megatron.core.transformer.moe.token_dispatcher":
+        "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()",
     "megatron.core.tensor_parallel.mappings":
         "torch.empty(dim_size, dtype=input_.dtype, device=torch.cuda.current_device())",
     "megatron.core.tensor_parallel.layers":

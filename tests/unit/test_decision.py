@@ -47,7 +47,7 @@ def test_a_restart_under_spread_takes_survivors_from_every_node():
     # spread: stage 0 on 0, 3, 1; stage 1 on 4, 2, 5. Rank 5 lost, forced restart: 4 of the 5
     # survivors, 2 from each node, each stage on both nodes.
     node_of = {r: r // 3 for r in range(6)}
-    plan = place("spread", node_of, 1, 2, 4, 2, 12)
+    plan = place("spread", node_of, ExecutionPlan.failure_free(len(node_of), 1, 2, 4, 2, 12))
     decider = Decider("restart", placement="spread",
                       nodes=lambda ranks: {r: node_of[r] for r in ranks})
     d = decider.after_failure(plan, list(range(6)), {5}, 5).decision

@@ -147,9 +147,91 @@ def test_data_checkpoint_and_logging_flags():
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
     (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"],
      "--reset-attention-mask needs the loader's attention mask"),
+    (["--swiglu", "--squared-relu"], "--swiglu and --squared-relu exclude each other"),
+    (["--no-position-embedding"], "--no-position-embedding is deprecated (as in Megatron-LM)"),
+    (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope"),
+    (["--rope-type", "yarn"], "--rope-type: yarn goes with multi-latent attention"),
+    (["--multi-latent-attention"], "--multi-latent-attention: multi-latent attention is not"),
+    (["--window-size", "127,0"], "--window-size: sliding-window attention is not supported"),
+    (["--use-flash-attn"], "--attention-backend flash is a transformer-engine kernel"),
+    (["--use-flash-attn", "--attention-backend", "local"],
+     "--use-flash-attn is --attention-backend flash, not local"),
+    (["--moe-layer-freq", "2"], "--moe-layer-freq: only 1"),
+    (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type: flex needs DeepEP"),
+    (["--moe-permute-fusion"], "--moe-permute-fusion: the fused permutation is a CUDA kernel"),
+    (["--optimizer", "sgd"], "--optimizer: only adam"),
+    (["--checkpoint-activations"], "--checkpoint-activations: no longer valid"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp: Megatron FSDP is not supported"),
+    (["--use-nccl-ub"], "--use-nccl-ub: NCCL user-buffer registration"),
+    (["--fp8-param-gather"], "--fp8-param-gather: fp8"),
+    (["--decoder-first-pipeline-num-layers", "2"], "need a pipeline of at least 2 stages"),
 ])
 def test_unsupported_or_inconsistent_flags_are_refused_in_one_line(flags, message):
     assert message in refusal(*flags)
+
+
+def test_activation_rope_moe_and_nan_flags_reach_the_transformer_config():
+    from megatron.core.activations import quick_gelu, squared_relu
+
+    from megatron.training.training import transformer_config
+    relu = transformer_config(config("--squared-relu").model, 1)
+    assert relu.activation_func is squared_relu and not relu.gated_linear_unit
+    geglu = config("--quick-geglu").model
+    assert geglu.gated_linear_unit and geglu.ffn_hidden_size == 256   # 4h, no SwiGLU rule
+    tc = transformer_config(geglu, 1)
+    assert tc.activation_func is quick_gelu and tc.gated_linear_unit
+    m = config("--position-embedding-type", "rope", "--no-position-embedding",
+               "--use-rope-scaling", "--rope-scaling-factor", "32",
+               "--rotary-seq-len-interpolation-factor", "2", "--rope-type", "rope").model
+    assert (m.rope_scaling, m.rope_scaling_factor, m.rotary_interpolation) == (True, 32.0, 2)
+    moe = config("--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type",
+                 "alltoall", "--moe-router-dtype", "fp32", "--moe-z-loss-coeff", "1e-3",
+                 "--moe-layer-freq", "1").model
+    tc = transformer_config(moe, 1)
+    assert (tc.moe_token_dispatcher_type, tc.moe_router_dtype, tc.moe_z_loss_coeff) == \
+        ("alltoall", "fp32", 1e-3)
+    assert config().training.check_for_nan
+    assert not config("--no-check-for-nan-in-loss-and-grad").training.check_for_nan
+
+
+def test_the_fusion_flags_hold_as_given():
+    """Megatron-LM's recipes switch fusions off; here every one is off already."""
+    from megatron.training.training import transformer_config
+    flags = ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+             "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+             "--accumulate-allreduce-grads-in-fp32"]
+    for job in (config(), config(*flags)):
+        tc = transformer_config(job.model, 1)
+        assert not (tc.masked_softmax_fusion or tc.bias_activation_fusion or
+                    tc.bias_dropout_fusion or tc.apply_rope_fusion or
+                    tc.gradient_accumulation_fusion)
+        assert not job.training.grad_reduce_in_bf16         # gradients reduced in fp32
+
+
+def test_uneven_first_and_last_stages_make_the_plan():
+    from megatron.training.training import make_plan
+    job = config("--num-layers", "8", "--pipeline-model-parallel-size", "3",
+                 "--decoder-first-pipeline-num-layers", "2",
+                 "--decoder-last-pipeline-num-layers", "2", world=6)
+    plan = make_plan(job)
+    assert [[(st.layer_start, st.layer_end) for st in p.stages] for p in plan.pipelines] == \
+        [[(0, 2), (2, 6), (6, 8)]] * 2
+    first = make_plan(config("--num-layers", "7", "--pipeline-model-parallel-size", "2",
+                             "--decoder-first-pipeline-num-layers", "3", world=2))
+    assert [(st.layer_start, st.layer_end) for st in first.pipelines[0].stages] == \
+        [(0, 3), (3, 7)]
+    for pp, extra, message in [
+            (2, ["--decoder-first-pipeline-num-layers", "4"],
+             "--decoder-first/last-pipeline-num-layers: 4 layers do not fill 2 stages with 4 "
+             "on the first stage"),
+            (3, ["--decoder-last-pipeline-num-layers", "1"],
+             "with 1 on the last stage, the other 2 stage(s) cannot split the 3 layers left "
+             "evenly"),
+            (3, [], "--num-layers: number of layers 4 is not divisible by pipeline parallel "
+                    "size 3")]:
+        assert message in refusal("--pipeline-model-parallel-size", str(pp), *extra, world=pp)
+    assert "--chameleon-plan sets its own stages" in refusal(
+        "--chameleon-plan", __file__, "--decoder-first-pipeline-num-layers", "1")
 
 
 def test_distributed_optimizer_flags_reach_the_parallel_config():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from chameleon_ext.control.keys import key_worker
 from chameleon_ext.control.store import MembershipError, connect_store, nodes_from_store
 from chameleon_ext.plan import placement as pl
-from chameleon_ext.plan.execution_plan import PlanError
+from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
 
 
 def blocks(n_nodes: int, per_node: int) -> dict[int, int]:
@@ -38,13 +38,19 @@ SHAPES = [  # nodes, workers per node, tensor parallel, pipeline parallel
 ]
 
 
+def placed(kind: str, nodes: dict[int, int], *shape: int) -> ExecutionPlan:
+    """The failure-free plan of `shape` (tp, pp, layers, micro batch, global batch) over the
+    ranks of `nodes`, placed by `kind`."""
+    return pl.place(kind, nodes, ExecutionPlan.failure_free(len(nodes), *shape))
+
+
 @pytest.mark.parametrize("n_nodes,per_node,tp,pp", SHAPES)
 def test_spread_survives_a_node_and_keeps_tp_inside_one(n_nodes, per_node, tp, pp):
     nodes = blocks(n_nodes, per_node)
     world = len(nodes)
     dp = world // (tp * pp)
-    spread = pl.place("spread", nodes, tp, pp, 4 * pp, 2, 4 * dp)
-    megatron = pl.place("megatron", nodes, tp, pp, 4 * pp, 2, 4 * dp)
+    spread = placed("spread", nodes, tp, pp, 4 * pp, 2, 4 * dp)
+    megatron = placed("megatron", nodes, tp, pp, 4 * pp, 2, 4 * dp)
     assert spread.ranks == megatron.ranks == list(range(world))
     assert shape_of(spread) == shape_of(megatron)          # only ranks move
     assert pl.spanning_tp_groups(spread, nodes) == []
@@ -60,8 +66,8 @@ def test_spread_survives_a_node_and_keeps_tp_inside_one(n_nodes, per_node, tp, p
 
 def test_megatron_order_loses_a_stage_with_node_1_and_spread_does_not():
     nodes = blocks(2, 2)
-    megatron = pl.place("megatron", nodes, 1, 2, 4, 2, 8)
-    spread = pl.place("spread", nodes, 1, 2, 4, 2, 8)
+    megatron = placed("megatron", nodes, 1, 2, 4, 2, 8)
+    spread = placed("spread", nodes, 1, 2, 4, 2, 8)
     assert pl.single_node_stages(megatron, nodes) == [(0, 2, 0), (2, 4, 1)]
     assert pl.describe("megatron", megatron, nodes) == (
         "placement megatron: 4 ranks on 2 node(s); every replica of layers 0-1 on node 0, "
@@ -74,8 +80,8 @@ def test_megatron_order_loses_a_stage_with_node_1_and_spread_does_not():
 
 def test_ranks_numbered_across_nodes_still_get_node_local_tp_groups():
     nodes = {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1, 6: 0, 7: 1}     # round-robin numbering
-    megatron = pl.place("megatron", nodes, 2, 2, 4, 2, 8)
-    spread = pl.place("spread", nodes, 2, 2, 4, 2, 8)
+    megatron = placed("megatron", nodes, 2, 2, 4, 2, 8)
+    spread = placed("spread", nodes, 2, 2, 4, 2, 8)
     assert len(pl.spanning_tp_groups(megatron, nodes)) == 4
     assert pl.spanning_tp_groups(spread, nodes) == []
     assert pl.single_node_stages(spread, nodes) == []
@@ -85,27 +91,27 @@ def test_ranks_numbered_across_nodes_still_get_node_local_tp_groups():
 def test_uneven_nodes_leave_only_the_unavoidable_exposed():
     # node 0 has 3 workers, node 1 one: with PP2 x DP2 only one stage can have a node-1 replica
     nodes = {0: 0, 1: 0, 2: 0, 3: 1}
-    spread = pl.place("spread", nodes, 1, 2, 4, 2, 8)
+    spread = placed("spread", nodes, 1, 2, 4, 2, 8)
     assert len(pl.single_node_stages(spread, nodes)) == 1
     # TP2 with 3 + 1 workers: one group must span the nodes, the other stays inside node 0
-    spread_tp = pl.place("spread", nodes, 2, 1, 4, 2, 8)
+    spread_tp = placed("spread", nodes, 2, 1, 4, 2, 8)
     assert pl.spanning_tp_groups(spread_tp, nodes) == [[2, 3]]
 
 
 def test_bad_input_names_the_problem():
     with pytest.raises(PlanError, match="unknown placement 'random'"):
-        pl.place("random", blocks(2, 2), 1, 2, 4, 2, 8)
+        placed("random", blocks(2, 2), 1, 2, 4, 2, 8)
     with pytest.raises(PlanError, match=r"every rank 0..2; got ranks \[0, 1, 3\]"):
-        pl.place("spread", {0: 0, 1: 0, 3: 1}, 1, 1, 4, 2, 6)
+        pl.place("spread", {0: 0, 1: 0, 3: 1}, ExecutionPlan.failure_free(3, 1, 1, 4, 2, 6))
     with pytest.raises(PlanError, match="not divisible"):
-        pl.place("spread", blocks(2, 2), 1, 3, 6, 2, 6)
+        placed("spread", blocks(2, 2), 1, 3, 6, 2, 6)
 
 
 def test_one_node_keeps_megatrons_order():
     for tp, pp in [(1, 2), (2, 2), (2, 1)]:
         nodes = blocks(1, 8)
-        assert pl.place("spread", nodes, tp, pp, 4, 2, 16) == \
-            pl.place("megatron", nodes, tp, pp, 4, 2, 16)
+        assert placed("spread", nodes, tp, pp, 4, 2, 16) == \
+            placed("megatron", nodes, tp, pp, 4, 2, 16)
 
 
 def test_nodes_come_from_the_launchers_worker_records():

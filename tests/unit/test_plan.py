@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from chameleon_ext.plan.execution_plan import ExecutionPlan, Pipeline, PlanError, RankPosition, Stage
+from chameleon_ext.plan.execution_plan import (ExecutionPlan, Pipeline, PlanError, RankPosition,
+                                              Stage, stage_bounds)
 
 
 def _layout(plan: ExecutionPlan) -> list[list[list[int]]]:
@@ -47,6 +49,26 @@ def test_failure_free_tp2_pp2_groups_match_megatron():
     assert plan.is_first_stage(2) and not plan.is_last_stage(2) and plan.is_last_stage(6)
     assert plan.replicas(0) == [0, 2] and plan.replicas(5) == [5, 7]
     assert plan.stage_of(6).layer_start == 2 and plan.pipeline_of(6) is plan.pipelines[1]
+
+
+def test_failure_free_with_megatrons_uneven_first_and_last_stages():
+    """--decoder-first/last-pipeline-num-layers: those stages hold that many layers, the
+    stages between split the rest evenly; anything else is a one-line PlanError."""
+    plan = ExecutionPlan.failure_free(8, 1, 4, num_layers=10, micro_batch_size=1,
+                                      global_batch_size=2, first_stage_layers=1,
+                                      last_stage_layers=3)
+    assert [[(st.layer_start, st.layer_end) for st in p.stages] for p in plan.pipelines] == \
+        [[(0, 1), (1, 4), (4, 7), (7, 10)]] * 2
+    assert _layout(plan) == _layout(ExecutionPlan.failure_free(8, 1, 4, 8, 1, 2))
+    assert stage_bounds(6, 2, last=4) == [0, 2, 6]
+    assert stage_bounds(8, 4, 1, 1) == [0, 1, 4, 7, 8]
+    for args, message in [((4, 2, 4), "4 layers do not fill 2 stages with 4 on the first stage"),
+                          ((9, 4, 1, 1), "the other 2 stage(s) cannot split the 7 layers"),
+                          ((8, 1, 8), "need a pipeline of at least 2 stages"),
+                          ((8, 2, 0), "must be at least 1"),
+                          ((7, 2), "number of layers 7 is not divisible by pipeline parallel")]:
+        with pytest.raises(PlanError, match=re.escape(message)):
+            stage_bounds(*args)
 
 
 def test_position_of_unknown_rank():

@@ -196,6 +196,8 @@ COUNTED = {
                      dict(qk_layernorm=True, kv_channels=8)),
     "moe": (["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96"],
             dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)),
+    "squared-relu": (["--squared-relu"], dict(squared_relu=True)),
+    "quick-geglu": (["--quick-geglu"], dict(quick_geglu=True)),
 }
 
 
