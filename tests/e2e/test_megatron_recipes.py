@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.launch import (REPO, SMALL_MODEL, LateKill, assert_close, free_port, kill_group,
-                          run_chameleon, run_job, run_script)
+from tests.launch import (REPO, SMALL_MODEL, LateKill, Run, assert_close, free_port,
+                          kill_group, run_chameleon, run_job, run_script)
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +50,21 @@ def test_megatron_lms_175b_example_flags(small_data, tmp_path):
     it (a ramp is sample-based); without it the rest trains (TP 8 x PP 16 -> TP 2 x PP 2)."""
     flags = [f if f != "430000" else "100" for f in example_857m(small_data, tmp_path)]
     flags[flags.index("--pipeline-model-parallel-size") + 1] = "2"
-    ramp = ["--rampup-batch-size", "4", "4", "16"]
-    r = run_script([*flags, *ramp], env={"WORLD_SIZE": "4"})
+    run = refused_then_trained(flags, ["--rampup-batch-size", "4", "4", "16"],
+                               "--rampup-batch-size needs --train-samples", tmp_path)
+    assert "pipeline(s) x 2 stage(s), tensor parallel 2" in run.stdout
+
+
+def refused_then_trained(flags: list[str], refused: list[str], message: str, tmp) -> Run:
+    """`flags` with `refused` added: one line naming the problem, exit 2; without: 4
+    iterations on 4 processes."""
+    r = run_script([*flags, *refused], env={"WORLD_SIZE": "4"})
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "--rampup-batch-size needs --train-samples" in r.stderr
-    run = run_job(4, flags, tmp_path)
+    assert message in r.stderr
+    run = run_job(4, flags, tmp)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.iterations() == [1, 2, 3, 4]
-    assert "pipeline(s) x 2 stage(s), tensor parallel 2" in run.stdout
+    return run
 
 
 def example_mixtral(data: str, tmp) -> list[str]:
@@ -89,13 +96,8 @@ def example_mixtral(data: str, tmp) -> list[str]:
 
 
 def test_megatron_lms_mixtral_example_flags_train(small_data, tmp_path):
-    flags = example_mixtral(small_data, tmp_path)
-    r = run_script([*flags, "--moe-grouped-gemm"], env={"WORLD_SIZE": "4"})
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "--moe-grouped-gemm: grouped GEMM is a CUDA kernel" in r.stderr
-    run = run_job(4, flags, tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.iterations() == [1, 2, 3, 4]
+    run = refused_then_trained(example_mixtral(small_data, tmp_path), ["--moe-grouped-gemm"],
+                               "--moe-grouped-gemm: grouped GEMM is a CUDA kernel", tmp_path)
     assert "2 pipeline(s) x 2 stage(s)" in run.stdout
 
 
