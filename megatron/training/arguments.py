@@ -268,6 +268,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "last split the rest evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers of the last pipeline stage")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as a layer of the first stage in the even split")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as a layer of the last stage")
     g.add_argument("--use-megatron-fsdp", action="store_true",
                    help="refused: --use-distributed-optimizer shards the optimizer state")
     g.add_argument("--use-nccl-ub", action="store_true",
@@ -601,9 +605,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         args.data_parallel_size = world_size // (tp * pp)
     else:
         need(args.decoder_first_pipeline_num_layers is None
-             and args.decoder_last_pipeline_num_layers is None,
-             "--decoder-first/last-pipeline-num-layers go with the homogeneous plan: "
-             "--chameleon-plan sets its own stages")
+             and args.decoder_last_pipeline_num_layers is None
+             and not args.account_for_embedding_in_pipeline_split
+             and not args.account_for_loss_in_pipeline_split,
+             "--decoder-first/last-pipeline-num-layers and --account-for-* go with the "
+             "homogeneous plan: --chameleon-plan sets its own stages")
         need(Path(args.chameleon_plan).is_file(), f"--chameleon-plan {args.chameleon_plan}: no such file")
         args.data_parallel_size = None
         need(args.chameleon_executor == "ir",
@@ -908,10 +914,32 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
 
 
 def _pipeline_split(args: argparse.Namespace) -> None:
-    """The homogeneous plan's stages: an even split, or Megatron-LM's uneven first and last."""
+    """The homogeneous plan's stages: an even split, Megatron-LM's uneven first and last, or
+    the even split with the embedding and the loss counted as layers (their stages then hold
+    one transformer layer fewer), turned into first and last stage layers."""
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    pp = args.pipeline_model_parallel_size
+    embedding, loss = (args.account_for_embedding_in_pipeline_split,
+                       args.account_for_loss_in_pipeline_split)
+    if embedding or loss:
+        accounted = " and ".join(f for f, on in (
+            ("--account-for-embedding-in-pipeline-split", embedding),
+            ("--account-for-loss-in-pipeline-split", loss)) if on)
+        if first is not None or last is not None:
+            raise ArgumentError(f"{accounted} and --decoder-first/last-pipeline-num-layers "
+                                "exclude each other")
+        counted = args.num_layers + embedding + loss
+        if pp < 2 or counted % pp or counted // pp < 2:
+            raise ArgumentError(
+                f"{accounted}: --num-layers {args.num_layers} plus the {embedding + loss} "
+                f"counted as layers must split evenly over --pipeline-model-parallel-size {pp} "
+                "(2 or more), at least 2 per stage: a stage here holds a transformer layer")
+        per = counted // pp
+        first = per - 1 if embedding else None
+        last = per - 1 if loss else None
+        args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers = first, last
     try:
-        stage_bounds(args.num_layers, args.pipeline_model_parallel_size, first, last)
+        stage_bounds(args.num_layers, pp, first, last)
     except PlanError as e:
         flags = ("--num-layers" if first is None and last is None else
                  "--decoder-first/last-pipeline-num-layers")

@@ -230,6 +230,21 @@ def test_uneven_first_and_last_stages_make_the_plan():
             (3, [], "--num-layers: number of layers 4 is not divisible by pipeline parallel "
                     "size 3")]:
         assert message in refusal("--pipeline-model-parallel-size", str(pp), *extra, world=pp)
+    accounted = make_plan(config("--num-layers", "6", "--pipeline-model-parallel-size", "2",
+                                 "--account-for-embedding-in-pipeline-split",
+                                 "--account-for-loss-in-pipeline-split", world=2))
+    assert [(st.layer_start, st.layer_end) for st in accounted.pipelines[0].stages] == \
+        [(0, 3), (3, 6)]                      # 8 counted: 4 a stage, the ends 1 fewer
+    embedding = make_plan(config("--num-layers", "7", "--pipeline-model-parallel-size", "2",
+                                 "--account-for-embedding-in-pipeline-split", world=2))
+    assert [(st.layer_start, st.layer_end) for st in embedding.pipelines[0].stages] == \
+        [(0, 3), (3, 7)]
+    assert "plus the 1 counted as layers must split evenly" in refusal(
+        "--pipeline-model-parallel-size", "2", "--account-for-loss-in-pipeline-split",
+        world=2)
+    assert "exclude each other" in refusal(
+        "--pipeline-model-parallel-size", "2", "--account-for-loss-in-pipeline-split",
+        "--decoder-first-pipeline-num-layers", "1", world=2)
     assert "--chameleon-plan sets its own stages" in refusal(
         "--chameleon-plan", __file__, "--decoder-first-pipeline-num-layers", "1")
 
