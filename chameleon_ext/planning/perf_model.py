@@ -216,10 +216,11 @@ class ModelShape:
         return 2.0 * self.seq_length * self.micro_batch_size * self.hidden_size * self.vocab_size
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profile:
     """Costs in milliseconds (per micro-batch for compute), bytes for memory. See the module
-    docstring; `cores` > 0 means ranks on one host share that many cores (CPU)."""
+    docstring; `cores` > 0 means ranks on one host share that many cores (CPU). Frozen: a
+    changed profile is a new one (dataclasses.replace), so its cost_key never goes stale."""
 
     source: str
     device: str
@@ -333,6 +334,15 @@ class Profile:
         d.update(shape=asdict(self.shape), rank_slowdown=dict(self.rank_slowdown),
                  notes=list(self.notes))
         return d
+
+    @functools.cached_property
+    def cost_key(self) -> str:
+        """Every cost as one JSON string, without the slow ranks (named by their plan's ranks)
+        and the notes (words, not costs: a recalibration adds to them): predict_plan's cache
+        key, built once per profile instead of once per prediction."""
+        d = self.to_dict()
+        del d["rank_slowdown"], d["notes"]
+        return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
@@ -717,14 +727,11 @@ def predict_plan(plan: ExecutionPlan, profile: Profile,
         return _predict_plan(plan, profile, start)
     names = sorted(plan.ranks)
     canon = {r: i for i, r in enumerate(names)}
-    costs = profile.to_dict()
-    costs["rank_slowdown"] = {canon[r]: f for r, f in profile.rank_slowdown.items()
-                              if r in canon}
-    costs["notes"] = []                # words, not costs: a recalibration adds to them
+    slow = {canon[r]: f for r, f in profile.rank_slowdown.items() if r in canon}
     # a recovery's plans are named 0..n-1 already (ExecutionPlan.renumbered)
     same = names[-1] == len(names) - 1
-    hit = _predicted(layout_key(plan if same else plan.relabelled(canon)),
-                     json.dumps(costs, sort_keys=True),
+    hit = _predicted(layout_key(plan if same else plan.relabelled(canon)), profile.cost_key,
+                     json.dumps(sorted(slow.items())) if slow else "",
                      None if start is None else json.dumps(
                          {canon[r]: t for r, t in start.items() if r in canon}, sort_keys=True))
     return Prediction(hit.iteration_ms, {names[i]: m for i, m in hit.memory_bytes.items()},
@@ -734,9 +741,12 @@ def predict_plan(plan: ExecutionPlan, profile: Profile,
 # A failure's candidates, every later event of a trace and a recalibration predict the same
 # layouts on other GPUs again and again; 4096 predictions are a few MiB for 32-GPU plans.
 @functools.lru_cache(maxsize=4096)
-def _predicted(layout: str, costs: str, start: str | None) -> Prediction:
-    """_predict_plan of a layout, a profile and each rank's start, all as JSON (the key)."""
-    return _predict_plan(ExecutionPlan.from_json(layout), Profile.from_dict(json.loads(costs)),
+def _predicted(layout: str, costs: str, slow: str, start: str | None) -> Prediction:
+    """_predict_plan of a layout, a profile's costs (Profile.cost_key), its slow ranks as
+    [rank, factor] pairs ("" for none) and each rank's start, all as JSON (the key)."""
+    profile = Profile.from_dict({**json.loads(costs),
+                                 "rank_slowdown": dict(json.loads(slow)) if slow else {}})
+    return _predict_plan(ExecutionPlan.from_json(layout), profile,
                          None if start is None else
                          {int(r): t for r, t in json.loads(start).items()})
 
