@@ -130,6 +130,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--num-experts", type=int, default=None,
                    help="experts per MoE layer (default: a dense MLP)")
     m.add_argument("--moe-router-topk", type=int, default=2)
+    m.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="a shared expert's MLP size (every token passes it)")
     m.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                    help="each expert's hidden size (default --ffn-hidden-size)")
     m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
@@ -165,7 +167,8 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value <= 0:
             raise InputError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("ffn_hidden_size", "kv_channels", "num_experts", "moe_ffn_hidden_size"):
+    for name in ("ffn_hidden_size", "kv_channels", "num_experts", "moe_ffn_hidden_size",
+                 "moe_shared_expert_intermediate_size"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise InputError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -249,6 +252,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       num_experts=args.num_experts or 0,
                       moe_ffn_hidden_size=args.moe_ffn_hidden_size or 0,
                       moe_router_topk=args.moe_router_topk,
+                      moe_shared_ffn=args.moe_shared_expert_intermediate_size or 0,
                       recompute=args.recompute_granularity or "")
 
 
@@ -380,6 +384,7 @@ def _build_model(torch, args, layers: int, cuda: bool, dtype):
         normalization=args.normalization, num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=shape.moe_ffn if args.num_experts else None,
         moe_router_topk=args.moe_router_topk,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         recompute_granularity=args.recompute_granularity,
         recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None,
         hidden_dropout=DROPOUT, attention_dropout=DROPOUT, init_method_std=INIT_STD,

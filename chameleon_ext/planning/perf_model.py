@@ -74,6 +74,8 @@ class ModelShape:
     num_experts: int = 0              # --num-experts: 0 is a dense MLP (MoE: expert parallel 1)
     moe_ffn_hidden_size: int = 0      # 0: ffn_hidden_size
     moe_router_topk: int = 0          # experts per token (0 without experts)
+    moe_shared_ffn: int = 0           # --moe-shared-expert-intermediate-size: an MLP every
+                                      # token also passes (0: none)
     recompute: str = ""               # --recompute-granularity: "", full (uniform, 1 layer)
                                       # or selective (core attention)
 
@@ -94,7 +96,7 @@ class ModelShape:
         if self.max_position_embeddings == self.seq_length:
             self.max_position_embeddings = 0
         if not self.num_experts:
-            self.moe_ffn_hidden_size = self.moe_router_topk = 0
+            self.moe_ffn_hidden_size = self.moe_router_topk = self.moe_shared_ffn = 0
         elif self.moe_ffn_hidden_size == self.ffn:
             self.moe_ffn_hidden_size = 0
 
@@ -142,6 +144,8 @@ class ModelShape:
             + self.qk_layernorm * 2 * self._norm_params(self.head_dim)
         if self.num_experts:
             mlp = self.num_experts * (h + bias + self._mlp_params(self.moe_ffn))
+            if self.moe_shared_ffn:
+                mlp += self._mlp_params(self.moe_shared_ffn)
         else:
             mlp = self._mlp_params(self.ffn)
         return attention + mlp + 2 * self._norm_params(h)
@@ -182,7 +186,8 @@ class ModelShape:
         attention = 3 * h + 4 * q + 4 * kv + self.qk_layernorm * 2 * (q + kv)
         if self.num_experts:
             mlp = 3 * h + 2 * self.num_experts + self.moe_router_topk * (
-                2 * h + 2 * self.moe_ffn * self.ffn_matrices)
+                2 * h + 2 * self.moe_ffn * self.ffn_matrices) \
+                + 2 * self.moe_shared_ffn * self.ffn_matrices
         else:
             mlp = 3 * h + 2 * self.ffn * self.ffn_matrices
         scores = 0 if self.recompute == "selective" else 5 * self.num_attention_heads * s
@@ -198,8 +203,8 @@ class ModelShape:
         s, b, h = self.seq_length, self.micro_batch_size, self.hidden_size
         q, kv = self.query_width, self.kv_width
         if self.num_experts:
-            mlp = h * self.num_experts + self.moe_router_topk * self.ffn_matrices * h * \
-                self.moe_ffn
+            mlp = h * self.num_experts + self.ffn_matrices * h * (
+                self.moe_router_topk * self.moe_ffn + self.moe_shared_ffn)
         else:
             mlp = self.ffn_matrices * h * self.ffn
         return 2.0 * s * b * (h * (q + 2 * kv) + q * h + mlp) + self._score_flops()

@@ -24,7 +24,8 @@ from megatron.training.batch_ramp import BatchRamp
 from chameleon_ext.plan.execution_plan import PlanError, stage_bounds
 from megatron.training.config import (AttentionBackend, Backend, CheckpointConfig, DataConfig, JobConfig,
                                       DataloaderType, LoadBalancing, LoggingConfig,
-                                      LRDecayStyle, ModelConfig, MoERouterDtype, Normalization,
+                                      LRDecayStyle, ModelConfig, MoERouterDtype,
+                                      MoEScoreFunction, Normalization,
                                       ParallelConfig, Placement, PositionEmbedding,
                                       RecomputeGranularity, RecomputeMethod, TrainingConfig,
                                       TransformerImpl)
@@ -146,6 +147,19 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="the router's logits and probabilities in this precision")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None,
                    help="the router's z-loss (ST-MoE) at this weight")
+    g.add_argument("--moe-router-score-function", choices=get_args(MoEScoreFunction),
+                   default="softmax", help="the router's scores: softmax or sigmoid (DeepSeek-V3)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="the top-k scores times this factor")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing: the experts in this many groups")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="with --moe-router-num-groups: each token's experts from this many "
+                        "groups")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="a shared expert (an MLP of this size every token also passes)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="refused: the expert bias is updated outside the optimizer")
     g.add_argument("--moe-layer-freq", default="1",
                    help="only 1: every layer is an MoE layer")
     g.add_argument("--moe-permute-fusion", action="store_true",
@@ -501,6 +515,11 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             moe_router_pre_softmax=args.moe_router_pre_softmax,
             moe_token_dispatcher=args.moe_token_dispatcher_type,
             moe_router_dtype=args.moe_router_dtype, moe_z_loss_coeff=args.moe_z_loss_coeff,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+            moe_router_num_groups=args.moe_router_num_groups,
+            moe_router_group_topk=args.moe_router_group_topk,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             recompute_granularity=args.recompute_granularity,
             recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers),
@@ -650,7 +669,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         need(args.ffn_hidden_size >= 1, f"--swiglu's default --ffn-hidden-size is 0 at "
                                         f"--hidden-size {args.hidden_size}: give one")
     for flag, size in (("--ffn-hidden-size", args.ffn_hidden_size),
-                       ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size)):
+                       ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size),
+                       ("--moe-shared-expert-intermediate-size",
+                        args.moe_shared_expert_intermediate_size)):
         need(size is None or size >= 1, f"{flag} must be at least 1")
         need(size is None or size % tp == 0,
              f"{flag} {size} is not divisible by --tensor-model-parallel-size {tp}")
@@ -689,6 +710,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         need(args.disable_bias_linear,
              "--num-experts needs --disable-bias-linear (megatron-core's experts fail with "
              "biases without the grouped GEMM)")
+    else:
+        for flag in ("--moe-shared-expert-intermediate-size", "--moe-router-num-groups",
+                     "--moe-router-topk-scaling-factor"):
+            need(getattr(args, flag[2:].replace("-", "_")) is None, f"{flag} needs --num-experts")
     if args.recompute_activations:
         need(args.recompute_granularity in (None, "selective"),
              "--recompute-activations is --recompute-granularity selective")
@@ -875,6 +900,9 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "only 1: every layer is an MoE layer (the performance model costs one kind of layer)"),
     ("--moe-token-dispatcher-type", lambda a: a.moe_token_dispatcher_type == "flex",
      "flex needs DeepEP (CUDA); use allgather or alltoall"),
+    ("--moe-router-enable-expert-bias", lambda a: a.moe_router_enable_expert_bias,
+     "the expert bias is updated from each step's token counts by megatron-core's "
+     "finalize_model_grads, which this executor does not run (it reduces gradients itself)"),
     ("--moe-permute-fusion", lambda a: a.moe_permute_fusion,
      "the fused permutation is a CUDA kernel; tokens are permuted unfused"),
     ("--optimizer", lambda a: a.optimizer != "adam",

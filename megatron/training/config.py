@@ -28,6 +28,7 @@ LoadBalancing = Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"]
 # --moe-token-dispatcher-type: megatron-core's dispatchers that need no CUDA-only library
 TokenDispatcher = Literal["allgather", "alltoall"]
 MoERouterDtype = Literal["fp32", "fp64"]
+MoEScoreFunction = Literal["softmax", "sigmoid"]
 DataloaderType = Literal["single", "cyclic"]
 
 
@@ -77,6 +78,13 @@ class ModelConfig:
     moe_token_dispatcher: TokenDispatcher = "allgather"  # --moe-token-dispatcher-type
     moe_router_dtype: MoERouterDtype | None = None        # --moe-router-dtype (None: params')
     moe_z_loss_coeff: float | None = None    # --moe-z-loss-coeff
+    # DeepSeek-style routing: --moe-router-score-function, --moe-router-topk-scaling-factor,
+    # --moe-router-num-groups / --moe-router-group-topk (group-limited), and a shared expert
+    moe_router_score_function: MoEScoreFunction = "softmax"
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
     # Activation recompute: None keeps every activation
     recompute_granularity: RecomputeGranularity | None = None   # --recompute-granularity
     recompute_method: RecomputeMethod | None = None             # --recompute-method
@@ -105,7 +113,8 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden
                  "squared_relu", "quick_geglu",
                  "num_query_groups", "add_bias_linear", "kv_channels", "rotary_base",
                  "rotary_percent", "qk_layernorm", "norm_epsilon", "num_experts",
-                 "moe_ffn_hidden_size", "moe_router_topk")
+                 "moe_ffn_hidden_size", "moe_router_topk",
+                 "moe_shared_expert_intermediate_size")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ def model_shape(model: ModelConfig, micro_batch_size: int) -> ModelShape:
                       num_experts=model.num_experts or 0,
                       moe_ffn_hidden_size=model.moe_ffn_hidden_size or 0,
                       moe_router_topk=model.moe_router_topk,
+                      moe_shared_ffn=model.moe_shared_expert_intermediate_size or 0,
                       recompute=model.recompute_granularity or "")
 
 

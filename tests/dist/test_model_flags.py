@@ -1,8 +1,9 @@
 """Megatron-LM's model flags keep the layout out of the numbers: a Llama-style model (SwiGLU,
 grouped-query attention, RMSNorm, RoPE, QK layernorm, untied output, no biases; documents masked
-from each other) on TP 2 x PP 2 with sequence parallelism, a mixture of experts on TP 2 x PP 2
-(which needs sequence parallelism; its per-sequence load-balancing loss scaled like the main
-loss; with full recompute), a gpt-oss-style mixture (quick GeGLU experts, Llama 3's RoPE
+from each other) on TP 2 x PP 2 with sequence parallelism, a DeepSeek-style mixture of experts
+(sigmoid scores, group-limited top-k, a shared expert) on TP 2 x PP 2 (which needs sequence
+parallelism; its per-sequence load-balancing loss scaled like the main loss; with full
+recompute), a gpt-oss-style mixture (quick GeGLU experts, Llama 3's RoPE
 scaling, the all-to-all token dispatcher, an fp32 router with z-loss) on Megatron-LM's uneven
 first stage, activation recompute, and a batch-size ramp (4, 8, then 12 samples per iteration)
 give one process's losses (1e-5)."""
@@ -20,7 +21,10 @@ LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
 RAMP = ["--train-samples", "60", "--rampup-batch-size", "4", "4", "16", "--global-batch-size",
         "12", "--lr-warmup-samples", "8"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
-       "--moe-router-load-balancing-type", "seq_aux_loss", "--disable-bias-linear"]
+       "--moe-router-load-balancing-type", "seq_aux_loss", "--disable-bias-linear",
+       "--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor", "2.5",
+       "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+       "--moe-shared-expert-intermediate-size", "64"]
 GPT_OSS = ["--quick-geglu", "--position-embedding-type", "rope", "--no-position-embedding",
            "--use-rope-scaling", "--rope-scaling-factor", "32", "--num-experts", "4",
            "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear",

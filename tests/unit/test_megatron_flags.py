@@ -157,6 +157,9 @@ def test_data_checkpoint_and_logging_flags():
     (["--use-flash-attn", "--attention-backend", "local"],
      "--use-flash-attn is --attention-backend flash, not local"),
     (["--moe-layer-freq", "2"], "--moe-layer-freq: only 1"),
+    (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias: the expert bias"),
+    (["--moe-shared-expert-intermediate-size", "64"],
+     "--moe-shared-expert-intermediate-size needs --num-experts"),
     (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type: flex needs DeepEP"),
     (["--moe-permute-fusion"], "--moe-permute-fusion: the fused permutation is a CUDA kernel"),
     (["--optimizer", "sgd"], "--optimizer: only adam"),
@@ -190,6 +193,13 @@ def test_activation_rope_moe_and_nan_flags_reach_the_transformer_config():
     tc = transformer_config(moe, 1)
     assert (tc.moe_token_dispatcher_type, tc.moe_router_dtype, tc.moe_z_loss_coeff) == \
         ("alltoall", "fp32", 1e-3)
+    deepseek = transformer_config(config(
+        "--num-experts", "4", "--disable-bias-linear", "--moe-router-score-function", "sigmoid",
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "2",
+        "--moe-router-group-topk", "1", "--moe-shared-expert-intermediate-size", "64").model, 1)
+    assert (deepseek.moe_router_score_function, deepseek.moe_router_topk_scaling_factor,
+            deepseek.moe_router_num_groups, deepseek.moe_router_group_topk,
+            deepseek.moe_shared_expert_intermediate_size) == ("sigmoid", 2.5, 2, 1, 64)
     assert config().training.check_for_nan
     assert not config("--no-check-for-nan-in-loss-and-grad").training.check_for_nan
 

@@ -397,6 +397,11 @@ def test_layer_flops_of_gqa_swiglu_and_moe():
     assert moe.layer_flops() == 2.0 * s * b * (4 * h * h + h * 8 + 2 * 2 * h * 48) \
         + 4.0 * b * s * s * h
     assert moe.layer_params() == 4 * h * h + 4 * h + 8 * (h + 1 + 2 * h * 48 + 48 + h) + 4 * h
+    shared = dataclasses.replace(moe, moe_shared_ffn=32)
+    # and every token through the shared expert's MLP
+    assert shared.layer_flops() - moe.layer_flops() == 2.0 * s * b * 2 * h * 32
+    assert shared.layer_params() - moe.layer_params() == 2 * h * 32 + 32 + h
+    assert dataclasses.replace(shared, num_experts=0).moe_shared_ffn == 0
 
 
 def test_recompute_trades_activations_for_a_second_forward():

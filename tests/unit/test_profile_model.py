@@ -196,6 +196,10 @@ COUNTED = {
                      dict(qk_layernorm=True, kv_channels=8)),
     "moe": (["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96"],
             dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)),
+    "shared-expert": (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "64",
+                       "--quick-geglu", "--disable-bias-linear"],
+                      dict(num_experts=4, moe_shared_expert_intermediate_size=64,
+                           quick_geglu=True, add_bias_linear=False)),
     "squared-relu": (["--squared-relu"], dict(squared_relu=True)),
     "quick-geglu": (["--quick-geglu"], dict(quick_geglu=True)),
 }
