@@ -891,7 +891,8 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "--recompute-granularity and --recompute-method"),
     ("--multi-latent-attention", lambda a: a.multi_latent_attention,
      "multi-latent attention is not supported: the stage model and the performance model "
-     "know standard and grouped-query attention"),
+     "know standard and grouped-query attention, and megatron-core 0.16.1 builds it only on "
+     "transformer-engine's attention (its local DotProductAttention takes no k_channels)"),
     ("--rope-type", lambda a: a.rope_type == "yarn",
      "yarn goes with multi-latent attention, which is not supported"),
     ("--window-size", lambda a: a.window_size is not None,
