@@ -17,7 +17,7 @@ with deferred_compile():  # megatron-core's imports, without TorchDynamo (the mo
         get_gpt_layer_with_transformer_engine_spec,
     )
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.elastic.stage_model import sequence_parallel_block
+    from megatron.elastic.stage_model import torch_norm_block
     from megatron.training.config import JobConfig, ModelConfig
     from megatron.training.data import build_gpt_datasets
     from megatron.training.training import pretrain
@@ -32,9 +32,11 @@ def model_provider(model: ModelConfig, config, pre_process: bool, post_process: 
         spec = get_gpt_layer_local_spec(num_experts=model.num_experts,
                                         qk_layernorm=model.qk_layernorm,
                                         normalization=model.normalization)
-        if config.sequence_parallel:
-            # megatron-core's torch norms refuse sequence parallelism (stage_model says why)
-            spec = sequence_parallel_block(spec, config.num_layers)
+        if config.sequence_parallel or model.apply_layernorm_1p:
+            # megatron-core's torch norms refuse both (stage_model.TorchNorm says why)
+            spec = torch_norm_block(spec, config.num_layers,
+                                    sequence_parallel=config.sequence_parallel,
+                                    zero_centered=model.apply_layernorm_1p)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings, pre_process=pre_process,

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import layers
@@ -160,37 +161,68 @@ class SequenceShardDropout(torch.nn.Module):
         return apply
 
 
-class SequenceParallelNorm:
-    """megatron-core's torch LayerNorm / RMSNorm (WrappedTorchNorm) in a sequence-parallel model,
-    which it refuses because nothing marks the norm's parameters there: each rank normalises its
-    rows of the sequence, so their gradients are partial sums, which finalize_model_grads (and
-    the executor) add over the TP group for parameters marked `sequence_parallel`, as TENorm
-    marks its own. A q/k norm's gradient is partial over this rank's heads: summed the same."""
+class _ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm whose weight w is stored centred on zero and scales by 1 + w
+    (--apply-layernorm-1p, transformer-engine's zero_centered_gamma)."""
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class _ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm whose weight w is stored centred on zero and scales by 1 + w."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+_ZERO_CENTERED = {torch.nn.LayerNorm: _ZeroCenteredLayerNorm,
+                  torch.nn.RMSNorm: _ZeroCenteredRMSNorm}
+
+
+class TorchNorm:
+    """megatron-core's torch LayerNorm / RMSNorm (WrappedTorchNorm) with the two things it
+    refuses:
+
+    - sequence parallelism, refused because nothing marks the norm's parameters there: each
+      rank normalises its rows of the sequence, so their gradients are partial sums, which
+      finalize_model_grads (and the executor) add over the TP group for parameters marked
+      `sequence_parallel`, as TENorm marks its own. A q/k norm's gradient is partial over this
+      rank's heads: summed the same;
+    - a zero-centred weight (--apply-layernorm-1p): it starts at 0 and the norm scales by
+      1 + weight, as transformer-engine's zero_centered_gamma does."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *,
+                sequence_parallel: bool = False, zero_centered: bool = False,
                 **kwargs) -> torch.nn.Module:
         unmarked = copy.copy(config)
         unmarked.sequence_parallel = False  # read by WrappedTorchNorm's check only
         norm = WrappedTorchNorm(unmarked, hidden_size, eps, **kwargs)
+        if zero_centered:
+            norm.__class__ = _ZERO_CENTERED[type(norm)]
+            torch.nn.init.zeros_(norm.weight)
         for p in norm.parameters():
-            p.sequence_parallel = True
+            p.sequence_parallel = sequence_parallel
         return norm
 
 
-def sequence_parallel_block(layer: ModuleSpec, num_layers: int) -> TransformerBlockSubmodules:
-    """A block of `num_layers` layers of spec `layer` whose torch norms (the layers' and the
-    block's final one) are SequenceParallelNorm."""
-    return TransformerBlockSubmodules(layer_specs=[_sequence_parallel_norms(layer)] * num_layers,
-                                      layer_norm=_sequence_parallel_norms(LayerNormImpl))
+def torch_norm_block(layer: ModuleSpec, num_layers: int, *, sequence_parallel: bool,
+                     zero_centered: bool) -> TransformerBlockSubmodules:
+    """A block of `num_layers` layers of spec `layer` whose torch norms (the layers', their q/k
+    norms and the block's final one) are TorchNorm with these options."""
+    norm = ModuleSpec(module=TorchNorm, params={"sequence_parallel": sequence_parallel,
+                                                "zero_centered": zero_centered})
+    return TransformerBlockSubmodules(layer_specs=[_torch_norms(layer, norm)] * num_layers,
+                                      layer_norm=_torch_norms(LayerNormImpl, norm))
 
 
-def _sequence_parallel_norms(spec):
+def _torch_norms(spec, norm: ModuleSpec):
     if spec is WrappedTorchNorm:
-        return SequenceParallelNorm
+        return norm
     if isinstance(spec, ModuleSpec) and dataclasses.is_dataclass(spec.submodules):
         sub = spec.submodules
         return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **{
-            f.name: _sequence_parallel_norms(getattr(sub, f.name))
+            f.name: _torch_norms(getattr(sub, f.name), norm)
             for f in dataclasses.fields(sub) if f.init}))
     return spec
 

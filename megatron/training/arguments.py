@@ -112,7 +112,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--use-mcore-models", action="store_true",
                    help="accepted: every model here is megatron-core's")
     g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="refused: torch's norms have no zero-centred gamma")
+                   help="norm weights stored centred on 0, scaling by 1 + weight")
 
     g = p.add_argument_group(
         "fusions", "megatron-core's fused kernels are not used here (every fusion is off), so "
@@ -505,6 +505,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
             rotary_interpolation=args.rotary_seq_len_interpolation_factor,
             qk_layernorm=args.qk_layernorm, norm_epsilon=args.norm_epsilon,
+            apply_layernorm_1p=args.apply_layernorm_1p,
             attention_backend=args.attention_backend,
             apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
             attention_softmax_in_fp32=args.attention_softmax_in_fp32,
@@ -916,8 +917,6 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "grouped GEMM is a CUDA kernel; experts run as separate MLPs"),
     ("--async-save", lambda a: a.async_save,
      "saves are synchronous: a recovery or restart needs a complete checkpoint"),
-    ("--apply-layernorm-1p", lambda a: a.apply_layernorm_1p,
-     "torch's LayerNorm and RMSNorm, which the local layers use, have no zero-centred gamma"),
     ("--decoupled-lr", lambda a: a.decoupled_lr is not None or a.decoupled_min_lr is not None,
      "one learning rate schedule for every parameter (no separate embedding LR yet)"),
     ("--calculate-per-token-loss", lambda a: a.calculate_per_token_loss,

@@ -64,6 +64,7 @@ class ModelConfig:
     # --rotary-seq-len-interpolation-factor: positions divided by it (None: not interpolated)
     rotary_interpolation: int | None = None
     qk_layernorm: bool = False               # --qk-layernorm
+    apply_layernorm_1p: bool = False         # --apply-layernorm-1p: norm weights centred on 0
     norm_epsilon: float = 1e-5               # --norm-epsilon
     attention_backend: AttentionBackend = "auto"    # --attention-backend
     apply_query_key_layer_scaling: bool = False     # --apply-query-key-layer-scaling
@@ -110,7 +111,7 @@ class ModelConfig:
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                  "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
                  "position_embedding_type", "normalization", "tied_embeddings", "swiglu",
-                 "squared_relu", "quick_geglu",
+                 "squared_relu", "quick_geglu", "apply_layernorm_1p",
                  "num_query_groups", "add_bias_linear", "kv_channels", "rotary_base",
                  "rotary_percent", "qk_layernorm", "norm_epsilon", "num_experts",
                  "moe_ffn_hidden_size", "moe_router_topk",

@@ -80,6 +80,10 @@ def transformer_config(model: ModelConfig, tensor_parallel: int,
         activation_func=activation_func(model.swiglu, model.squared_relu, model.quick_geglu),
         add_bias_linear=model.add_bias_linear, qk_layernorm=model.qk_layernorm,
         layernorm_epsilon=model.norm_epsilon,
+        # transformer-engine's norms centre the weight themselves; the local ones are
+        # stage_model.TorchNorm (megatron-core's torch norms refuse the flag)
+        layernorm_zero_centered_gamma=(model.apply_layernorm_1p
+                                       and model.transformer_impl == "transformer_engine"),
         attention_backend=AttnBackend[model.attention_backend],
         apply_query_key_layer_scaling=model.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=model.attention_softmax_in_fp32,

@@ -1,6 +1,6 @@
 """Megatron-LM's model flags keep the layout out of the numbers: a Llama-style model (SwiGLU,
-grouped-query attention, RMSNorm, RoPE, QK layernorm, untied output, no biases; documents masked
-from each other) on TP 2 x PP 2 with sequence parallelism, a DeepSeek-style mixture of experts
+grouped-query attention, RMSNorm with zero-centred weights, RoPE, QK layernorm, untied output,
+no biases; documents masked from each other) on TP 2 x PP 2 with sequence parallelism, a DeepSeek-style mixture of experts
 (sigmoid scores, group-limited top-k, a shared expert) on TP 2 x PP 2 (which needs sequence
 parallelism; its per-sequence load-balancing loss scaled like the main loss; with full
 recompute), a gpt-oss-style mixture (quick GeGLU experts, Llama 3's RoPE
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
          "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type",
          "rope", "--untie-embeddings-and-output-weights", "--qk-layernorm",
-         "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
+         "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask",
+         "--apply-layernorm-1p"]
 RAMP = ["--train-samples", "60", "--rampup-batch-size", "4", "4", "16", "--global-batch-size",
         "12", "--lr-warmup-samples", "8"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",

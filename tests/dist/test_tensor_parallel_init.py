@@ -54,7 +54,8 @@ def _losses_and_grads(tp: int, rank: int, sp: bool = False
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
     spec = get_gpt_layer_local_spec()
     if sp:
-        spec = stage_model.sequence_parallel_block(spec, config.num_layers)
+        spec = stage_model.torch_norm_block(spec, config.num_layers, sequence_parallel=True,
+                                            zero_centered=False)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True,
                      post_process=True, share_embeddings_and_output_weights=True,

@@ -137,7 +137,6 @@ def test_data_checkpoint_and_logging_flags():
      "--swiglu's default --ffn-hidden-size is 0"),
     (["--exit-interval", "0"], "--exit-interval must be positive"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
-    (["--apply-layernorm-1p"], "--apply-layernorm-1p: torch's LayerNorm and RMSNorm"),
     (["--decoupled-lr", "5e-4"], "--decoupled-lr: one learning rate schedule"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss: the loss is the mean"),
     (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion: the vocab-parallel"),
@@ -202,6 +201,29 @@ def test_activation_rope_moe_and_nan_flags_reach_the_transformer_config():
             deepseek.moe_shared_expert_intermediate_size) == ("sigmoid", 2.5, 2, 1, 64)
     assert config().training.check_for_nan
     assert not config("--no-check-for-nan-in-loss-and-grad").training.check_for_nan
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_apply_layernorm_1p_centres_the_norm_weights_on_zero(normalization):
+    """--apply-layernorm-1p: the weight starts at 0 and the norm scales by 1 + weight, so the
+    model starts as the plain norm's and a weight w acts as 1 + w."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron.elastic.stage_model import TorchNorm
+    job = config("--apply-layernorm-1p", "--normalization", normalization)
+    assert job.model.apply_layernorm_1p
+    tc = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                           normalization=normalization)
+    one_p = TorchNorm(tc, 8, 1e-5, zero_centered=True)
+    plain = TorchNorm(tc, 8, 1e-5)
+    x = torch.randn(3, 8)
+    assert torch.equal(one_p.weight, torch.zeros(8))
+    torch.testing.assert_close(one_p(x), plain(x))
+    with torch.no_grad():
+        one_p.weight.fill_(0.5)
+        plain.weight.fill_(1.5)
+    torch.testing.assert_close(one_p(x), plain(x))
 
 
 def test_the_fusion_flags_hold_as_given():
