@@ -239,9 +239,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="refused: one learning rate for every parameter")
+                   help="the learning rate of the word embeddings and the output layer")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
-                   help="refused: one learning rate for every parameter")
+                   help="with --decoupled-lr: their minimum (default --min-lr)")
 
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -543,7 +543,9 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
             lr_warmup_fraction=args.lr_warmup_fraction,
             lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
-            clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+            clip_grad=args.clip_grad, decoupled_lr=args.decoupled_lr,
+            decoupled_min_lr=args.decoupled_min_lr,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
             ramp=args.ramp,
             lr_warmup_samples=args.lr_warmup_samples or None,
@@ -740,6 +742,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     need(0.0 <= args.hidden_dropout < 1.0 and 0.0 <= args.attention_dropout < 1.0,
          "dropout probabilities must be in [0, 1)")
     need(args.lr >= args.min_lr >= 0.0, "--lr must be >= --min-lr >= 0")
+    if args.decoupled_lr is None:
+        need(args.decoupled_min_lr is None, "--decoupled-min-lr needs --decoupled-lr")
+    else:
+        floor = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        need(args.decoupled_lr >= floor >= 0.0,
+             "--decoupled-lr must be >= --decoupled-min-lr (default --min-lr) >= 0")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:
@@ -917,8 +925,6 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "grouped GEMM is a CUDA kernel; experts run as separate MLPs"),
     ("--async-save", lambda a: a.async_save,
      "saves are synchronous: a recovery or restart needs a complete checkpoint"),
-    ("--decoupled-lr", lambda a: a.decoupled_lr is not None or a.decoupled_min_lr is not None,
-     "one learning rate schedule for every parameter (no separate embedding LR yet)"),
     ("--calculate-per-token-loss", lambda a: a.calculate_per_token_loss,
      "the loss is the mean of each micro-batch's token mean, not a sum over the batch's tokens"),
     ("--cross-entropy-loss-fusion", lambda a: a.cross_entropy_loss_fusion,

@@ -170,6 +170,9 @@ class TrainingConfig:
     lr_warmup_fraction: float | None = None  # --lr-warmup-fraction: of the decay span
     weight_decay: float = 0.01               # --weight-decay
     clip_grad: float = 1.0                   # --clip-grad
+    # --decoupled-lr / --decoupled-min-lr: the embedding's and output layer's own schedule
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     adam_beta1: float = 0.9                  # --adam-beta1
     adam_beta2: float = 0.999                # --adam-beta2
     adam_eps: float = 1e-8                   # --adam-eps

@@ -341,7 +341,7 @@ class Trainer:
             self.reporter.tb.timers(self.timers, list(_OP_TIMERS), it, log.log_interval)
         self.reporter.iteration(
             it, res, ms, self.consumed, self.plan, self.strategy,
-            self.built.runtime.optimizer.param_groups[0]["lr"],
+            _logged_lr(self.built.runtime.optimizer.param_groups),
             lambda: self.timers.get_all_timers_string(list(_OP_TIMERS),
                                                       normalizer=log.log_interval)
             if log.timing_log_level > 0 else "")
@@ -763,6 +763,13 @@ def _initialize_distributed(parallel: ParallelConfig,
         return manager.initialize_world(parallel.distributed_timeout_s)
     except PeerLost as e:
         raise JobError(f"a rank was lost while the job started: {e}") from None
+
+
+def _logged_lr(param_groups: list[dict]) -> float:
+    """The learning rate Megatron-LM logs: a group on the default schedule's (not
+    --decoupled-lr's, which only the embedding and output layer follow)."""
+    return next((g["lr"] for g in param_groups if g.get("default_config", True)),
+                param_groups[0]["lr"])
 
 
 def _set_random_seeds(seed: int, tp_rank: int) -> None:

@@ -119,6 +119,9 @@ def optimizer_config(training: TrainingConfig, model: ModelConfig):
         weight_decay=training.weight_decay, adam_beta1=training.adam_beta1,
         adam_beta2=training.adam_beta2, adam_eps=training.adam_eps,
         clip_grad=training.clip_grad, bf16=model.bf16, fp16=model.fp16,
+        # megatron-core gives the parameters marked is_embedding_or_output_parameter (the word
+        # embeddings, the output layer) a param group of their own schedule
+        decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
         params_dtype=torch.float32, use_distributed_optimizer=False)
 
 

@@ -1,12 +1,12 @@
 """Megatron-LM's model flags keep the layout out of the numbers: a Llama-style model (SwiGLU,
-grouped-query attention, RMSNorm with zero-centred weights, RoPE, QK layernorm, untied output,
-no biases; documents masked from each other) on TP 2 x PP 2 with sequence parallelism, a DeepSeek-style mixture of experts
+grouped-query attention, RMSNorm with zero-centred weights, RoPE, QK layernorm, untied output
+and embeddings on their own learning rate, no biases; documents masked from each other) on TP 2 x PP 2 with sequence parallelism, a DeepSeek-style mixture of experts
 (sigmoid scores, group-limited top-k, a shared expert) on TP 2 x PP 2 (which needs sequence
 parallelism; its per-sequence load-balancing loss scaled like the main loss; with full
 recompute), a gpt-oss-style mixture (quick GeGLU experts, Llama 3's RoPE
 scaling, the all-to-all token dispatcher, an fp32 router with z-loss) on Megatron-LM's uneven
-first stage, activation recompute, and a batch-size ramp (4, 8, then 12 samples per iteration)
-give one process's losses (1e-5)."""
+first stage, activation recompute, and a batch-size ramp (4, 8, then 12 samples per iteration;
+the tied embeddings on their own learning rate) give one process's losses (1e-5)."""
 
 import pytest
 
@@ -18,9 +18,9 @@ LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
          "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type",
          "rope", "--untie-embeddings-and-output-weights", "--qk-layernorm",
          "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask",
-         "--apply-layernorm-1p"]
+         "--apply-layernorm-1p", "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-4"]
 RAMP = ["--train-samples", "60", "--rampup-batch-size", "4", "4", "16", "--global-batch-size",
-        "12", "--lr-warmup-samples", "8"]
+        "12", "--lr-warmup-samples", "8", "--decoupled-lr", "1e-2"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
        "--moe-router-load-balancing-type", "seq_aux_loss", "--disable-bias-linear",
        "--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor", "2.5",

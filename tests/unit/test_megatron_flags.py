@@ -137,7 +137,6 @@ def test_data_checkpoint_and_logging_flags():
      "--swiglu's default --ffn-hidden-size is 0"),
     (["--exit-interval", "0"], "--exit-interval must be positive"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
-    (["--decoupled-lr", "5e-4"], "--decoupled-lr: one learning rate schedule"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss: the loss is the mean"),
     (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion: the vocab-parallel"),
     (["--profile"], "--profile: no profiler hooks yet"),
@@ -224,6 +223,44 @@ def test_apply_layernorm_1p_centres_the_norm_weights_on_zero(normalization):
         one_p.weight.fill_(0.5)
         plain.weight.fill_(1.5)
     torch.testing.assert_close(one_p(x), plain(x))
+
+
+def test_decoupled_lr_gives_the_embeddings_and_output_layer_their_own_schedule():
+    """megatron-core's param groups: the word embeddings and the output layer (marked by
+    GPTModel) on --decoupled-lr, the rest on --lr; the logged rate is the rest's."""
+    import dataclasses
+
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    import pretrain_gpt
+    from megatron.training import trainer
+    from megatron.training.training import optimizer_config, transformer_config
+    from tools import profile_model
+    assert "--decoupled-min-lr needs --decoupled-lr" in refusal("--decoupled-min-lr", "1e-4")
+    assert "--decoupled-lr must be >= --decoupled-min-lr" in refusal(
+        "--decoupled-lr", "1e-5", "--decoupled-min-lr", "1e-4")
+    job = config("--decoupled-lr", "5e-4", "--decoupled-min-lr", "4.5e-5",
+                 "--untie-embeddings-and-output-weights", "--lr", "1e-3")
+    owned = profile_model._setup_megatron(torch, cuda=False)
+    try:
+        model = dataclasses.replace(job.model, padded_vocab_size=128)
+        gpt = pretrain_gpt.model_provider(model, transformer_config(model, 1), True, True,
+                                          ProcessGroupCollection.use_mpu_process_groups())
+        ddp = DistributedDataParallel(transformer_config(model, 1),
+                                      DistributedDataParallelConfig(), gpt)
+        opt = get_megatron_optimizer(optimizer_config(job.training, model), [ddp],
+                                     use_gloo_process_groups=False)
+    finally:
+        profile_model._teardown_megatron(owned)
+    decoupled = {id(p) for g in opt.param_groups if not g["default_config"] for p in g["params"]}
+    assert decoupled == {id(gpt.embedding.word_embeddings.weight), id(gpt.output_layer.weight)}
+    assert {(g["max_lr"], g["min_lr"]) for g in opt.param_groups if not g["default_config"]} \
+        == {(5e-4, 4.5e-5)}
+    groups = [{"lr": 5e-4, "default_config": False}, {"lr": 1e-3, "default_config": True}]
+    assert trainer._logged_lr(groups) == 1e-3
 
 
 def test_the_fusion_flags_hold_as_given():
