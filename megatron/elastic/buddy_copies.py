@@ -164,12 +164,14 @@ class BuddyCopies:
                     at += c.end - c.start
 
     @torch.no_grad()
-    def step(self, total_norm: float, clip_grad: float) -> None:
-        """After the commit: each copy steps as its owner does (clipped by the same global
-        norm, the same hyperparameters)."""
+    def step(self, total_norm: float, clip_grad: float, grad_scale: float = 1.0) -> None:
+        """After the commit: each copy steps as its owner does (its gradient scaled and clipped
+        by the same factors, the same hyperparameters)."""
         for r in self.rings:
             if not r.copies:
                 continue
+            if grad_scale != 1.0:
+                torch._foreach_mul_([c.param.grad for c in r.copies], grad_scale)
             if clip_grad > 0.0:
                 # looked up at the call: cpu_compat replaces megatron-core's CUDA-only version
                 mcore_optimizer.clip_grad_by_total_norm_fp32(

@@ -48,10 +48,9 @@ class MegatronCoreExecutor(Executor):
             out = rt.forward_step(batch, model)
 
             def loss_func(output):
-                loss = rt.loss_func(batch, output)
-                self._loss_sum += loss.detach().double()
-                # per-token-loss mode: megatron-core divides by nothing, so divide here
-                return loss / rt.plan.num_micro_batches, torch.tensor(1), {"lm loss": loss}
+                # megatron-core's per-token-loss mode (the config's always) divides by nothing
+                loss = self._weighted_loss(rt.loss_func(batch, output), batch)
+                return loss, torch.tensor(1), {"lm loss": loss}
             return out, loss_func
 
         self._forward_backward(
@@ -60,6 +59,7 @@ class MegatronCoreExecutor(Executor):
             forward_only=False, p2p_communicator=self._p2p, pg_collection=self._groups)
         self._reduce_grads(None, iteration)
         # the same step as the IR executor's: prepare, commit, apply
-        (loss, samples), norm = self._commit(iteration, optimizer_step.prepare(rt.optimizer))
-        ok, norm = self._apply_step(norm)
+        (loss, samples), norm, scale = self._commit(iteration,
+                                                    optimizer_step.prepare(rt.optimizer))
+        ok, norm = self._apply_step(norm, scale)
         return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok), samples=samples)

@@ -10,7 +10,8 @@ has three parts, and only the middle one talks to other ranks:
    duplicate, so every parameter of the model counts once over the world).
 2. the commit (the executor's): one all-reduce over the world carries the norm parts with the
    loss, then every rank votes on the store (chameleon_ext.control.step_vote.StepVote.commit).
-3. `apply`: local. Clip by the global norm and step (`step_with_ready_grads`). The distributed
+3. `apply`: local. Scale the gradients where the loss was a sum (--calculate-per-token-loss:
+   by one over the batch's tokens, known at the commit), clip by the global norm and step (`step_with_ready_grads`). The distributed
    optimizer steps this rank's shard only: megatron-core's all-gather of the stepped shards
    waits for the next iteration (sharded_state.step_locally, gather_parameters).
 """
@@ -43,8 +44,14 @@ def prepare(optimizer) -> float:
 
 
 @torch.no_grad()
-def apply(optimizer, total_norm: float, clip_grad: float) -> bool:
-    """Clip every gradient by the global norm `total_norm` (when `clip_grad` > 0) and step."""
+def apply(optimizer, total_norm: float, clip_grad: float, grad_scale: float = 1.0) -> bool:
+    """Scale every gradient by `grad_scale`, clip it by the global norm `total_norm` (of the
+    scaled gradients; when `clip_grad` > 0) and step."""
+    for o in _optimizers(optimizer):
+        if grad_scale != 1.0 and not getattr(o, "is_stub_optimizer", False):
+            grads = [p.grad for p in o.get_parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, grad_scale)
     if clip_grad > 0.0:
         for o in _optimizers(optimizer):
             params = o.get_parameters()

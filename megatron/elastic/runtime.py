@@ -100,6 +100,7 @@ class RuntimeSpec:
     emulation: Emulation | None = None  # each runtime's ops padded to its emulated device
     every_stage_reads: bool = False    # the batch carries an attention mask every layer needs
     grad_reduce_in_fp32: bool = True   # not --grad-reduce-in-bf16
+    per_token_loss: bool = False       # --calculate-per-token-loss
     data_parallel: DataParallel = DataParallel()
 
 
@@ -181,11 +182,14 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
 
     if config.num_moe_experts:
         # The router's aux loss enters each micro-batch's backward at this scale; the main loss
-        # is the mean over the global batch's micro-batches (Executor._fwd), so is this. Under
-        # sequence parallelism megatron-core weighs each rank's part of the aux loss by the
-        # rank's own tokens (calculate_per_token_loss), 1/tp of the sequence: tp makes it whole.
+        # is the mean over the global batch's micro-batches (Executor._fwd), so is this (with
+        # --calculate-per-token-loss the sum, its gradient divided by the batch's tokens after
+        # the commit, as megatron-core scales it). Under sequence parallelism megatron-core
+        # weighs each rank's part of the aux loss by the rank's own tokens
+        # (calculate_per_token_loss), 1/tp of the sequence: tp makes it whole.
         shards = plan.tensor_parallel if config.sequence_parallel else 1
-        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) * shards / plan.num_micro_batches)
+        MoEAuxLossAutoScaler.set_loss_scale(
+            torch.ones(1) * shards / (1 if spec.per_token_loss else plan.num_micro_batches))
     rt = StageRuntime(
         rank=rank, plan=plan, model=model, module=module, optimizer=optimizer,
         scheduler=scheduler, get_batch=spec.get_batch, forward_step=spec.forward_step,
@@ -200,7 +204,7 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         compute_clock=spec.compute_clock, wgrad=store, grad_reduction=reduction,
         clip_grad=spec.optimizer_config.clip_grad, hooks=spec.hooks,
         emulation=spec.emulation.device(plan, rank) if spec.emulation else None,
-        every_stage_reads=spec.every_stage_reads)
+        every_stage_reads=spec.every_stage_reads, per_token_loss=spec.per_token_loss)
     if spec.measure_memory:
         rt.memory = MemoryMeter(module, first, last)
     if sharding.buddy and sharding.distributed_optimizer:

@@ -6,8 +6,10 @@ asynchronously, receives blocking, one tag per (micro-batch, direction): the sem
 simulator assumes), gradient reduction with megatron-core's DistributedDataParallel over the
 stage's replicas plus the tied-embedding sum, and the megatron-core optimizer step.
 
-The loss of micro-batch g is its token-mean divided by the global micro-batch count, and gradients
-are summed (not averaged) over replicas, so the update is the same under every plan.
+The loss of micro-batch g is its token-mean divided by the global micro-batch count (with
+--calculate-per-token-loss: the sum of its tokens' losses, the gradients divided by the global
+batch's token count after the commit, as megatron-core's finalize_model_grads divides them), and
+gradients are summed (not averaged) over replicas, so the update is the same under every plan.
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ class StageRuntime:
     # Every stage reads the batch (--reset-attention-mask: each layer needs the documents'
     # attention mask); else only the first (tokens) and the last (labels).
     every_stage_reads: bool = False
+    # --calculate-per-token-loss: the iteration's loss is its tokens' mean, not the mean of
+    # its micro-batches' token means
+    per_token_loss: bool = False
     # The distributed optimizer stepped this rank's shards after the last gather of the whole
     # parameters (sharded_state.gather_parameters brings the other replicas' shards).
     params_behind: bool = False
@@ -165,6 +170,7 @@ class Executor:
         self._tp_sum_began = False
         self._draining = False  # computing a drained op (see drain): nothing is measured
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=_device())
+        self._tokens = 0.0  # counted in this rank's losses (--calculate-per-token-loss)
         self._samples = 0  # delivered to this rank's first-stage forwards in this iteration
 
     def run(self, ops: list[Op], iteration: int) -> StepResult:
@@ -183,8 +189,8 @@ class Executor:
                 self._check_finished()
                 norm_sq = self._timed(timer, iteration, optimizer_step.prepare, rt.optimizer)
                 # The commit: outside the optimizer's timer (it waits for the slowest rank).
-                totals, norm = self._commit(iteration, norm_sq)
-                result = self._timed(timer, iteration, self._apply_step, norm)
+                totals, norm, scale = self._commit(iteration, norm_sq)
+                result = self._timed(timer, iteration, self._apply_step, norm, scale)
                 continue
             if timer:
                 timer.start()
@@ -214,6 +220,7 @@ class Executor:
         rt.model.zero_grad_buffer()
         rt.optimizer.zero_grad()
         self._loss_sum.zero_()
+        self._tokens = 0.0
         self._samples = 0
         if rt.shadows is not None:
             timer = rt.timers(SHADOW_SYNC, log_level=2) if rt.timers else None
@@ -243,27 +250,32 @@ class Executor:
             if timer:
                 timer.stop()
 
-    def _commit(self, iteration: int, norm_sq: float) -> tuple[tuple[float, int], float]:
-        """The step's commit point. One all-reduce over the world sums the last stages' losses,
-        the ranks' parts of the squared gradient norm and the samples delivered: the
-        iteration's last collective, after which no rank talks to another before it applies
-        the step. Then the vote (rt.hooks.commit): every rank applies the step iff all voted,
-        so a rank lost at any instant leaves the survivors all stepped or all not. Returns
-        ((the global mean loss, samples), the global gradient norm); raises StepAborted."""
+    def _commit(self, iteration: int, norm_sq: float
+                ) -> tuple[tuple[float, int], float, float]:
+        """The step's commit point. One all-reduce over the world sums the last stages' losses
+        (and the tokens they counted), the ranks' parts of the squared gradient norm and the
+        samples delivered: the iteration's last collective, after which no rank talks to
+        another before it applies the step. Then the vote (rt.hooks.commit): every rank
+        applies the step iff all voted, so a rank lost at any instant leaves the survivors all
+        stepped or all not. Returns ((the global mean loss, samples), the global gradient
+        norm, the factor the gradients still take: 1, or with --calculate-per-token-loss one
+        over the batch's tokens); raises StepAborted."""
         rt = self.rt
         rt.hooks.tick(iteration, "commit collective", True)
         mine = rt.last and rt.plan.position(rt.rank).tp_rank == 0
-        t = torch.tensor([float(self._loss_sum) if mine else 0.0, norm_sq, float(self._samples)],
-                         dtype=torch.float64, device=_device())
+        t = torch.tensor([float(self._loss_sum) if mine else 0.0, norm_sq, float(self._samples),
+                          self._tokens if mine else 0.0], dtype=torch.float64, device=_device())
         self._wait_sends()
         dist.all_reduce(t)
-        loss_sum, total_sq, samples = t.tolist()
+        loss_sum, total_sq, samples, tokens = t.tolist()
         rt.hooks.tick(iteration, "commit vote", True)
         if not rt.hooks.commit(iteration):
             raise StepAborted(f"the step of iteration {iteration + 1} was not committed: a "
                               "rank did not vote")
         rt.hooks.tick(iteration, "optimizer step", False)
-        return (loss_sum / rt.plan.num_micro_batches, round(samples)), math.sqrt(total_sq)
+        scale = 1.0 / max(tokens, 1.0) if rt.per_token_loss else 1.0
+        mean = loss_sum * scale if rt.per_token_loss else loss_sum / rt.plan.num_micro_batches
+        return (mean, round(samples)), math.sqrt(total_sq) * scale, scale
 
     def _check_finished(self) -> None:
         if (self._inputs or self._outputs or self._out_grads or self._in_grads
@@ -399,30 +411,37 @@ class Executor:
         train_get, rt.get_batch = rt.get_batch, get_batch
         self._sends, self._recvs = {}, {}
         rt.model.eval()
-        total, n = 0.0, 0
+        total, n = 0.0, 0.0
         try:
             with torch.no_grad():
                 for it in iterations:
                     self._loss_sum.zero_()
+                    self._tokens = 0.0
                     for op in ops:
                         self._DISPATCH[op.kind](self, op, it)
                     self._outputs.clear()
                     self._inputs.clear()
                     self._wait_sends()
-                    total += self._global_loss()
-                    n += 1
+                    loss_sum, count = self._global_loss()
+                    total += loss_sum
+                    n += count
         finally:
             rt.get_batch = train_get
             rt.model.train()
-        return total / max(n, 1)
+        return total / max(n, 1.0)
 
-    def _global_loss(self) -> float:
+    def _global_loss(self) -> tuple[float, float]:
+        """One SUM over the world of the last stages' partial sums: (the iteration's loss sum,
+        what it is the sum of: its tokens with --calculate-per-token-loss, else 1)."""
         rt = self.rt
-        # One SUM over the world turns the last stages' partial sums into the global mean loss.
         mine = rt.last and rt.plan.position(rt.rank).tp_rank == 0
-        loss = self._loss_sum.clone() if mine else torch.zeros_like(self._loss_sum)
-        dist.all_reduce(loss)
-        return float(loss) / rt.plan.num_micro_batches
+        t = torch.tensor([float(self._loss_sum), self._tokens] if mine else [0.0, 0.0],
+                         dtype=torch.float64, device=_device())
+        dist.all_reduce(t)
+        loss_sum, tokens = t.tolist()
+        if rt.per_token_loss:
+            return loss_sum, tokens
+        return loss_sum / rt.plan.num_micro_batches, 1.0
 
     def _wait_sends(self) -> None:
         for work, _ in self._pending:
@@ -481,10 +500,21 @@ class Executor:
         with rt.memory.forward(mb) if measured else nullcontext():
             out = rt.forward_step(batch, rt.model)
             if rt.last:
-                loss = rt.loss_func(batch, out)
-                self._loss_sum += loss.detach().double()
-                out = loss / rt.plan.num_micro_batches
+                out = self._weighted_loss(rt.loss_func(batch, out), batch)
         self._outputs[mb] = out
+
+    def _weighted_loss(self, mean: torch.Tensor, batch: dict) -> torch.Tensor:
+        """A micro-batch's token-mean `mean` added to the sums the commit reduces (the mean, or
+        with --calculate-per-token-loss its tokens' sum and their count), and returned as the
+        tensor its backward starts from: the mean over the micro-batch count, or the tokens'
+        sum (the commit divides the gradients by the batch's tokens)."""
+        rt = self.rt
+        if rt.per_token_loss:
+            count = batch["loss_mask"].sum()
+            mean = mean * count
+            self._tokens += float(count)
+        self._loss_sum += mean.detach().double()
+        return mean if rt.per_token_loss else mean / rt.plan.num_micro_batches
 
     def _send_fwd(self, op: Op, iteration: int) -> None:
         self._send(self._outputs[op.microbatch].detach(), op)
@@ -555,12 +585,12 @@ class Executor:
         _allreduce_non_tensor_model_parallel_grads([self.rt.model], self.rt.module.config,
                                                    self.rt.module.pg_collection.tp)
 
-    def _apply_step(self, grad_norm: float) -> tuple:
+    def _apply_step(self, grad_norm: float, grad_scale: float) -> tuple:
         began = time.perf_counter()
-        ok = optimizer_step.apply(self.rt.optimizer, grad_norm, self.rt.clip_grad)
+        ok = optimizer_step.apply(self.rt.optimizer, grad_norm, self.rt.clip_grad, grad_scale)
         self.rt.params_behind = sharded_state.is_sharded(self.rt.optimizer)
         if self.rt.buddy is not None:
-            self.rt.buddy.step(grad_norm, self.rt.clip_grad)
+            self.rt.buddy.step(grad_norm, self.rt.clip_grad, grad_scale)
         if self.rt.shadows is not None:
             self.rt.shadows.stepped()
         if ok:

@@ -210,7 +210,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="1 or 2: release the CUDA caching allocator's unused blocks after each "
                         "step (nothing to release on CPU)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="refused: the loss is the mean of each micro-batch's token mean")
+                   help="the loss is the mean over the global batch's tokens (default: the mean "
+                        "of each micro-batch's token mean)")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="refused: the vocab-parallel cross entropy runs unfused")
     g.add_argument("--profile", action="store_true", help="refused: no profiler hooks yet")
@@ -557,7 +558,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             manual_gc_interval=args.manual_gc_interval,
             empty_unused_memory_level=args.empty_unused_memory_level,
             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-            check_for_nan=args.check_for_nan_in_loss_and_grad),
+            check_for_nan=args.check_for_nan_in_loss_and_grad,
+            per_token_loss=args.calculate_per_token_loss),
         logging=LoggingConfig(
             log_interval=args.log_interval, timing_log_level=args.timing_log_level,
             tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
@@ -925,8 +927,6 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "grouped GEMM is a CUDA kernel; experts run as separate MLPs"),
     ("--async-save", lambda a: a.async_save,
      "saves are synchronous: a recovery or restart needs a complete checkpoint"),
-    ("--calculate-per-token-loss", lambda a: a.calculate_per_token_loss,
-     "the loss is the mean of each micro-batch's token mean, not a sum over the batch's tokens"),
     ("--cross-entropy-loss-fusion", lambda a: a.cross_entropy_loss_fusion,
      "the vocab-parallel cross entropy runs unfused"),
     ("--profile", lambda a: a.profile, "no profiler hooks yet"),

@@ -186,6 +186,9 @@ class TrainingConfig:
     empty_unused_memory_level: int = 0       # --empty-unused-memory-level: CUDA cache release
     grad_reduce_in_bf16: bool = False        # --grad-reduce-in-bf16 (with --bf16)
     check_for_nan: bool = True               # not --no-check-for-nan-in-loss-and-grad
+    # --calculate-per-token-loss: the loss is the batch's token mean, not the mean of its
+    # micro-batches' token means (they differ where --eod-mask-loss masks tokens)
+    per_token_loss: bool = False
 
     @property
     def first_global_batch(self) -> int:

@@ -5,7 +5,9 @@ for each strategy that carries the state over; with 1 instance and buddy copies
 (--chameleon-shard-redundancy buddy) from its buddy; with 1 instance alone the shard has no
 copy, and the recovery line says so and restarts from the checkpoint. Each run keeps the
 failure-free losses (1e-5, against a plain single-process run) and every copy bit-identical
-(the buddy copies against their owners' shards included)."""
+(the buddy copies against their owners' shards included). The loss is per token
+(--calculate-per-token-loss): the gradients, the buddies' copies included, are divided by the
+batch's tokens after the commit."""
 
 import random
 
@@ -21,7 +23,8 @@ ITERS = 8
 def common(data: str) -> list[str]:
     return SMALL_MODEL + ["--global-batch-size", "16", "--train-iters", str(ITERS),
                           "--lr-decay-iters", str(ITERS), "--lr", "3e-3", "--data-path", data,
-                          "--split", "100,0,0", "--log-interval", "4"]
+                          "--split", "100,0,0", "--log-interval", "4",
+                          "--calculate-per-token-loss"]
 
 
 @pytest.fixture(scope="module")

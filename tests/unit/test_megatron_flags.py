@@ -137,7 +137,6 @@ def test_data_checkpoint_and_logging_flags():
      "--swiglu's default --ffn-hidden-size is 0"),
     (["--exit-interval", "0"], "--exit-interval must be positive"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
-    (["--calculate-per-token-loss"], "--calculate-per-token-loss: the loss is the mean"),
     (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion: the vocab-parallel"),
     (["--profile"], "--profile: no profiler hooks yet"),
     (["--wandb-project", "p"], "--wandb-project: wandb is not installed"),
@@ -199,6 +198,7 @@ def test_activation_rope_moe_and_nan_flags_reach_the_transformer_config():
             deepseek.moe_router_num_groups, deepseek.moe_router_group_topk,
             deepseek.moe_shared_expert_intermediate_size) == ("sigmoid", 2.5, 2, 1, 64)
     assert config().training.check_for_nan
+    assert config("--calculate-per-token-loss").training.per_token_loss
     assert not config("--no-check-for-nan-in-loss-and-grad").training.check_for_nan
 
 
