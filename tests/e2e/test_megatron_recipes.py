@@ -1,7 +1,7 @@
 """A Megatron-LM user's own command runs: the flag sets of Megatron-LM's example scripts
-(examples/gpt3/train_gpt3_857m_distributed.sh and train_gpt3_175b_distributed.sh, their sizes
-shrunk to a tiny model, --fp16 dropped on CPU, the built-in byte-level data instead of GPT-2's
-vocabulary) train on gloo; a Llama-style recipe survives a kill with the failure-free losses;
+(examples/gpt3/train_gpt3_857m_distributed.sh and train_gpt3_175b_distributed.sh, Mixtral
+8x7B's and Llama 3 8B's, their sizes shrunk to a tiny model, CUDA-only precision dropped on
+CPU, the built-in byte-level data instead of their tokenizers') train on gloo; a Llama-style recipe survives a kill with the failure-free losses;
 --exit-signal-handler turns a SIGTERM of the whole job into a loadable checkpoint, and of one
 worker under --chameleon into its planned leave."""
 
@@ -99,6 +99,44 @@ def test_megatron_lms_mixtral_example_flags_train(small_data, tmp_path):
     run = refused_then_trained(example_mixtral(small_data, tmp_path), ["--moe-grouped-gemm"],
                                "--moe-grouped-gemm: grouped GEMM is a CUDA kernel", tmp_path)
     assert "2 pipeline(s) x 2 stage(s)" in run.stdout
+
+
+def example_llama3_8b(data: str, tmp) -> list[str]:
+    """examples/llama/train_llama3_8b_h100_fp8.sh's flags, in its order, shrunk: 4 layers,
+    hidden 64, 4 heads in 2 query groups; TP 1 -> 2 with its --sequence-parallel; on CPU its
+    --attention-backend fused -> auto and no --bf16, --grad-reduce-in-bf16 or fp8 (DTYPE
+    bf16); --profile dropped (its step flags stay, inert without it, as in Megatron-LM);
+    samples 4 iterations' worth; the built-in data."""
+    return ["--use-mcore-models", "--num-layers", "4", "--hidden-size", "64",
+            "--ffn-hidden-size", "96", "--num-attention-heads", "4", "--group-query-attention",
+            "--num-query-groups", "2", "--kv-channels", "16", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--position-embedding-type", "rope",
+            "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
+            "--hidden-dropout", "0.0", "--swiglu", "--normalization", "RMSNorm",
+            "--init-method-std", "0.0134", "--attention-backend", "auto",
+            "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear",
+            "--micro-batch-size", "1", "--global-batch-size", "4", "--train-samples", "16",
+            "--lr-decay-samples", "12", "--lr-warmup-samples", "4", "--lr", "0.00015",
+            "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
+            "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
+            "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--calculate-per-token-loss",
+            "--manual-gc", "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+            "--tensor-model-parallel-size", "2", "--context-parallel-size", "1",
+            "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
+            "--overlap-param-gather", "--log-interval", "1", "--eval-iters", "32",
+            "--eval-interval", "100", "--save-interval", "1000", "--log-throughput",
+            "--profile-step-start", "4", "--profile-step-end", "6", "--ckpt-format",
+            "torch_dist", "--distributed-timeout-minutes", "60", "--save", str(tmp / "ckpt"),
+            "--load", str(tmp / "ckpt"), "--tensorboard-dir", str(tmp / "tb"),
+            "--data-path", data, "--split", "949,50,1", "--no-progress-bar"]
+
+
+def test_megatron_lms_llama3_8b_example_flags_train(small_data, tmp_path):
+    run = refused_then_trained(example_llama3_8b(small_data, tmp_path),
+                               ["--cross-entropy-loss-fusion"],
+                               "--cross-entropy-loss-fusion: the vocab-parallel", tmp_path)
+    assert "2 pipeline(s) x 1 stage(s), tensor parallel 2" in run.stdout
 
 
 LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
