@@ -214,9 +214,19 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "of each micro-batch's token mean)")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="refused: the vocab-parallel cross entropy runs unfused")
-    g.add_argument("--profile", action="store_true", help="refused: no profiler hooks yet")
+    g.add_argument("--profile", action="store_true",
+                   help="with --use-pytorch-profiler: torch.profiler over iterations "
+                        "--profile-step-start + 1 to --profile-step-end (nsys's capture range "
+                        "is refused)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="each profiled rank's trace goes to <--tensorboard-dir>/../"
+                        "torch_profile/rank-R.json.gz")
     g.add_argument("--profile-step-start", type=int, default=10, help="with --profile")
     g.add_argument("--profile-step-end", type=int, default=12, help="with --profile")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[],
+                   help="global ranks to profile (default: every rank)")
+    g.add_argument("--pytorch-profiler-collect-shapes", action="store_true")
+    g.add_argument("--pytorch-profiler-collect-callstack", action="store_true")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
                    help="go on when the loss is not finite (default: stop with an error)")
@@ -564,7 +574,11 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             log_interval=args.log_interval, timing_log_level=args.timing_log_level,
             tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
             metrics_file=args.chameleon_metrics_file, log_throughput=args.log_throughput,
-            log_timers_to_tensorboard=args.log_timers_to_tensorboard),
+            log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+            profile=args.profile, profile_start=args.profile_step_start,
+            profile_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
+            profile_shapes=args.pytorch_profiler_collect_shapes,
+            profile_stack=args.pytorch_profiler_collect_callstack),
         data=DataConfig(
             data_path=tuple(args.data_path or ()), split=args.split, mock_data=args.mock_data,
             cache_path=args.data_cache_path, tokenizer_type=args.tokenizer_type,
@@ -768,6 +782,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         value = getattr(args, name)
         need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive")
     need(args.manual_gc_interval >= 0, "--manual-gc-interval must be non-negative")
+    if args.profile:
+        need(0 <= args.profile_step_start < args.profile_step_end,
+             "--profile needs 0 <= --profile-step-start < --profile-step-end")
+        need(args.tensorboard_dir is not None,
+             "--use-pytorch-profiler needs --tensorboard-dir: the traces go beside it "
+             "(<dir>/../torch_profile)")
     need(args.num_workers >= 0, "--num-workers must be non-negative")
     need(not (args.no_create_attention_mask_in_dataloader and args.reset_attention_mask),
          "--reset-attention-mask needs the loader's attention mask "
@@ -929,7 +949,8 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "saves are synchronous: a recovery or restart needs a complete checkpoint"),
     ("--cross-entropy-loss-fusion", lambda a: a.cross_entropy_loss_fusion,
      "the vocab-parallel cross entropy runs unfused"),
-    ("--profile", lambda a: a.profile, "no profiler hooks yet"),
+    ("--profile", lambda a: a.profile and not a.use_pytorch_profiler,
+     "only with --use-pytorch-profiler: nsys's capture range (cudaProfilerStart) is not wired"),
     ("--tiktoken-pattern", lambda a: a.tiktoken_pattern is not None,
      "there is no TikTokenizer here"),
     ("--log-params-norm", lambda a: a.log_params_norm, "the parameter norm is not logged yet"),

@@ -218,6 +218,14 @@ class LoggingConfig:
     metrics_file: str | None = None          # --chameleon-metrics-file: JSON-lines events
     log_throughput: bool = False             # --log-throughput: model TFLOP/s per GPU
     log_timers_to_tensorboard: bool = False  # --log-timers-to-tensorboard
+    # --profile --use-pytorch-profiler: torch.profiler over iterations profile_start + 1 ..
+    # profile_end (--profile-step-start/end) on --profile-ranks (empty: every rank)
+    profile: bool = False
+    profile_start: int = 10
+    profile_end: int = 12
+    profile_ranks: tuple[int, ...] = ()
+    profile_shapes: bool = False             # --pytorch-profiler-collect-shapes
+    profile_stack: bool = False              # --pytorch-profiler-collect-callstack
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from megatron.training.config import JobConfig, ModelConfig, ParallelConfig
 from megatron.training.data import DataError, MicroBatchLoader
 from megatron.training.exit_conditions import ExitConditions, ExitVerdict
 from megatron.training.metrics import Stopwatch
+from megatron.training.profiling import StepProfiler
 from megatron.training.reporting import Reporter
 
 _OP_TIMERS = ("forward-recv", "forward-compute", "forward-send", "backward-recv",
@@ -216,6 +217,9 @@ class Trainer:
         self.pending: list[str] = []   # the actions due at this iteration boundary, by name
         self.finishing = False      # the final actions were scheduled
         self.watch = Stopwatch()
+        self.profiler = StepProfiler(log.profile_start, log.profile_end, log.tensorboard_dir,
+                                     log.profile_ranks, log.profile_shapes,
+                                     log.profile_stack) if log.profile else None
         self.built = None
         self.left: NotNeeded | None = None   # a joiner that came after the last iteration
         # Everything made so far (imports, data, tokenizer) lives for the whole job: out of the
@@ -317,6 +321,8 @@ class Trainer:
         self.elastic.tick(it, "between-iterations",
                           allow_s=self.elastic.progress_allowance(self.reporter.times))
         ops = self.built.schedule.ops[self.rank]
+        if self.profiler is not None:
+            self.profiler.before(it, self.rank)
         failure = None
         try:
             res = self.built.executor.run(ops, it - 1)
@@ -332,6 +338,8 @@ class Trainer:
         ms = self.watch.lap_ms()
         self.iteration, self.consumed = it, self.consumed + res.samples
         self.elastic.applied_step(it)
+        if self.profiler is not None:
+            self.profiler.after(it)
         if self.calibration is not None:
             self.calibration.after_iteration(ms)
             self.clock.iteration_ms.append(ms)
@@ -733,6 +741,8 @@ class Trainer:
 
     # ---- the end -----------------------------------------------------------------------------
     def _finish(self) -> dict:
+        if self.profiler is not None:
+            self.profiler.close()
         summary = self.reporter.summary(self.plan, self.start)
         self.reporter.close()
         self.built = None
@@ -742,6 +752,8 @@ class Trainer:
     def _leave(self, why: NotNeeded) -> dict:
         """A survivor the new plan has no place for: it closes its logs and exits cleanly."""
         print(f"> leaving the job after iteration {self.iteration}: {why}", flush=True)
+        if self.profiler is not None:
+            self.profiler.close()
         self.reporter.close()
         self.elastic.leave()
         return {}

@@ -5,6 +5,8 @@ CPU, the built-in byte-level data instead of their tokenizers') train on gloo; a
 --exit-signal-handler turns a SIGTERM of the whole job into a loadable checkpoint, and of one
 worker under --chameleon into its planned leave."""
 
+import gzip
+import json
 import signal
 import subprocess
 import sys
@@ -137,6 +139,22 @@ def test_megatron_lms_llama3_8b_example_flags_train(small_data, tmp_path):
                                ["--cross-entropy-loss-fusion"],
                                "--cross-entropy-loss-fusion: the vocab-parallel", tmp_path)
     assert "2 pipeline(s) x 1 stage(s), tensor parallel 2" in run.stdout
+
+
+def test_the_pytorch_profiler_traces_megatron_lms_window(small_data, tmp_path):
+    """--profile --use-pytorch-profiler --profile-step-start 1 --profile-step-end 3 on rank 1:
+    its chrome trace of iterations 2 and 3, beside the tensorboard directory."""
+    run = run_job(2, [*SMALL_MODEL, "--global-batch-size", "4", "--train-iters", "4",
+                      "--data-path", small_data, "--split", "100,0,0", "--profile",
+                      "--use-pytorch-profiler", "--profile-step-start", "1",
+                      "--profile-step-end", "3", "--profile-ranks", "1",
+                      "--tensorboard-dir", str(tmp_path / "tb")], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    traces = sorted((tmp_path / "torch_profile").iterdir())
+    assert [t.name for t in traces] == ["rank-1.json.gz"]
+    with gzip.open(traces[0], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
 
 
 LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2",
