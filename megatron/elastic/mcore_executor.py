@@ -59,7 +59,5 @@ class MegatronCoreExecutor(Executor):
             forward_only=False, p2p_communicator=self._p2p, pg_collection=self._groups)
         self._reduce_grads(None, iteration)
         # the same step as the IR executor's: prepare, commit, apply
-        (loss, samples), norm, scale = self._commit(iteration,
-                                                    optimizer_step.prepare(rt.optimizer))
-        ok, norm = self._apply_step(norm, scale)
-        return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok), samples=samples)
+        done = self._commit(iteration, optimizer_step.prepare(rt.optimizer, rt.count_zeros))
+        return self._result(done, self._apply_step(done))

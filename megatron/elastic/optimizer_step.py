@@ -7,7 +7,8 @@ has three parts, and only the middle one talks to other ranks:
 1. `prepare`: local. The main gradients are made ready (megatron-core's `prepare_grads`) and
    this rank's part of the squared gradient norm is summed over the gradients megatron-core
    counts in the norm (`get_main_grads_for_grad_norm`: no shared copy, no tensor-parallel
-   duplicate, so every parameter of the model counts once over the world).
+   duplicate, so every parameter of the model counts once over the world); with
+   --log-num-zeros-in-grad so are their zeros, as megatron-core's count_zeros counts them.
 2. the commit (the executor's): one all-reduce over the world carries the norm parts with the
    loss, then every rank votes on the store (chameleon_ext.control.step_vote.StepVote.commit).
 3. `apply`: local. Scale the gradients where the loss was a sum (--calculate-per-token-loss:
@@ -18,6 +19,8 @@ has three parts, and only the middle one talks to other ranks:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -25,22 +28,34 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.elastic import sharded_state
 
 
+@dataclass(frozen=True)
+class GradParts:
+    """This rank's parts of the step's gradient statistics, summed over the world at the
+    commit."""
+
+    norm_sq: float        # of the squared gradient norm
+    zeros: float = 0.0    # of the zero gradient entries (--log-num-zeros-in-grad)
+
+
 def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 @torch.no_grad()
-def prepare(optimizer) -> float:
-    """Ready the main gradients; returns this rank's part of the squared gradient norm."""
+def prepare(optimizer, count_zeros: bool = False) -> GradParts:
+    """Ready the main gradients; returns this rank's parts of the squared gradient norm and
+    (`count_zeros`) of the zero entries."""
     if optimizer.prepare_grads():
         # Only a dynamic loss scaler finds inf/nan, and --fp16 is refused where steps must be
         # atomic: its scaler is updated inside prepare_grads, before the commit.
         raise RuntimeError("inf/nan gradients found by the loss scaler")
     grads = [g for o in _optimizers(optimizer) for g in o.get_main_grads_for_grad_norm()]
     if not grads:
-        return 0.0
+        return GradParts(0.0)
     norms = torch._foreach_norm(grads, 2.0)
-    return float(torch.stack(norms).double().square().sum())
+    zeros = float(sum(g.numel() - int(torch.count_nonzero(g)) for g in grads)) \
+        if count_zeros else 0.0
+    return GradParts(float(torch.stack(norms).double().square().sum()), zeros)
 
 
 @torch.no_grad()

@@ -101,6 +101,7 @@ class RuntimeSpec:
     every_stage_reads: bool = False    # the batch carries an attention mask every layer needs
     grad_reduce_in_fp32: bool = True   # not --grad-reduce-in-bf16
     per_token_loss: bool = False       # --calculate-per-token-loss
+    count_zeros: bool = False          # --log-num-zeros-in-grad
     data_parallel: DataParallel = DataParallel()
 
 
@@ -204,7 +205,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         compute_clock=spec.compute_clock, wgrad=store, grad_reduction=reduction,
         clip_grad=spec.optimizer_config.clip_grad, hooks=spec.hooks,
         emulation=spec.emulation.device(plan, rank) if spec.emulation else None,
-        every_stage_reads=spec.every_stage_reads, per_token_loss=spec.per_token_loss)
+        every_stage_reads=spec.every_stage_reads, per_token_loss=spec.per_token_loss,
+        count_zeros=spec.count_zeros)
     if spec.measure_memory:
         rt.memory = MemoryMeter(module, first, last)
     if sharding.buddy and sharding.distributed_optimizer:

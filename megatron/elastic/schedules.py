@@ -56,6 +56,18 @@ class StepResult:
     grad_norm: float | None
     update_successful: bool
     samples: int = 0         # samples the data loader delivered to the world's first stages
+    num_zeros: float | None = None   # zero gradient entries (--log-num-zeros-in-grad)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What the commit's all-reduce and vote settle for every rank."""
+
+    loss: float              # the iteration's global mean loss
+    samples: int
+    grad_norm: float         # of the gradients as they are stepped (after grad_scale)
+    grad_scale: float        # what the gradients still take: 1, or per token 1 / the tokens
+    zeros: float | None      # zero gradient entries, when counted
 
 
 class StepAborted(RuntimeError):
@@ -134,6 +146,7 @@ class StageRuntime:
     # --calculate-per-token-loss: the iteration's loss is its tokens' mean, not the mean of
     # its micro-batches' token means
     per_token_loss: bool = False
+    count_zeros: bool = False  # --log-num-zeros-in-grad
     # The distributed optimizer stepped this rank's shards after the last gather of the whole
     # parameters (sharded_state.gather_parameters brings the other replicas' shards).
     params_behind: bool = False
@@ -178,8 +191,8 @@ class Executor:
         self._sends, self._recvs = self._fused_sends, self._fused_recvs
         self._position, self._started = 0, False  # a failed refresh drains the whole list
         self.refresh()
-        result: tuple = (True, None)
-        totals = (float("nan"), 0)
+        ok = True
+        done = Committed(float("nan"), 0, float("nan"), 1.0, None)
         for self._position, op in enumerate(ops):
             self._started = False
             rt.hooks.before_op(op, iteration)
@@ -187,10 +200,11 @@ class Executor:
             timer = rt.timers(TIMER_OF[op.kind], log_level=2) if rt.timers else None
             if op.kind is OpKind.OPT_STEP:
                 self._check_finished()
-                norm_sq = self._timed(timer, iteration, optimizer_step.prepare, rt.optimizer)
+                parts = self._timed(timer, iteration, optimizer_step.prepare, rt.optimizer,
+                                    rt.count_zeros)
                 # The commit: outside the optimizer's timer (it waits for the slowest rank).
-                totals, norm, scale = self._commit(iteration, norm_sq)
-                result = self._timed(timer, iteration, self._apply_step, norm, scale)
+                done = self._commit(iteration, parts)
+                ok = self._timed(timer, iteration, self._apply_step, done)
                 continue
             if timer:
                 timer.start()
@@ -205,9 +219,13 @@ class Executor:
             finally:  # a failed op must not leave its timer running into the re-run
                 if timer:
                     timer.stop()
-        ok, norm = result
-        loss, samples = totals
-        return StepResult(loss=loss, grad_norm=norm, update_successful=bool(ok), samples=samples)
+        return self._result(done, ok)
+
+    @staticmethod
+    def _result(done: Committed, ok: bool) -> StepResult:
+        return StepResult(loss=done.loss, grad_norm=None if math.isnan(done.grad_norm)
+                          else done.grad_norm, update_successful=bool(ok),
+                          samples=done.samples, num_zeros=done.zeros)
 
     def refresh(self) -> None:
         """What an iteration needs before its first op, collectives included: the whole
@@ -250,24 +268,22 @@ class Executor:
             if timer:
                 timer.stop()
 
-    def _commit(self, iteration: int, norm_sq: float
-                ) -> tuple[tuple[float, int], float, float]:
+    def _commit(self, iteration: int, parts: optimizer_step.GradParts) -> Committed:
         """The step's commit point. One all-reduce over the world sums the last stages' losses
-        (and the tokens they counted), the ranks' parts of the squared gradient norm and the
-        samples delivered: the iteration's last collective, after which no rank talks to
-        another before it applies the step. Then the vote (rt.hooks.commit): every rank
-        applies the step iff all voted, so a rank lost at any instant leaves the survivors all
-        stepped or all not. Returns ((the global mean loss, samples), the global gradient
-        norm, the factor the gradients still take: 1, or with --calculate-per-token-loss one
-        over the batch's tokens); raises StepAborted."""
+        (and the tokens they counted), the ranks' parts of the squared gradient norm (and of
+        its zeros) and the samples delivered: the iteration's last collective, after which no
+        rank talks to another before it applies the step. Then the vote (rt.hooks.commit):
+        every rank applies the step iff all voted, so a rank lost at any instant leaves the
+        survivors all stepped or all not. Raises StepAborted."""
         rt = self.rt
         rt.hooks.tick(iteration, "commit collective", True)
         mine = rt.last and rt.plan.position(rt.rank).tp_rank == 0
-        t = torch.tensor([float(self._loss_sum) if mine else 0.0, norm_sq, float(self._samples),
-                          self._tokens if mine else 0.0], dtype=torch.float64, device=_device())
+        t = torch.tensor([float(self._loss_sum) if mine else 0.0, parts.norm_sq,
+                          float(self._samples), self._tokens if mine else 0.0, parts.zeros],
+                         dtype=torch.float64, device=_device())
         self._wait_sends()
         dist.all_reduce(t)
-        loss_sum, total_sq, samples, tokens = t.tolist()
+        loss_sum, total_sq, samples, tokens, zeros = t.tolist()
         rt.hooks.tick(iteration, "commit vote", True)
         if not rt.hooks.commit(iteration):
             raise StepAborted(f"the step of iteration {iteration + 1} was not committed: a "
@@ -275,7 +291,8 @@ class Executor:
         rt.hooks.tick(iteration, "optimizer step", False)
         scale = 1.0 / max(tokens, 1.0) if rt.per_token_loss else 1.0
         mean = loss_sum * scale if rt.per_token_loss else loss_sum / rt.plan.num_micro_batches
-        return (mean, round(samples)), math.sqrt(total_sq) * scale, scale
+        return Committed(mean, round(samples), math.sqrt(total_sq) * scale, scale,
+                         zeros if rt.count_zeros else None)
 
     def _check_finished(self) -> None:
         if (self._inputs or self._outputs or self._out_grads or self._in_grads
@@ -585,12 +602,13 @@ class Executor:
         _allreduce_non_tensor_model_parallel_grads([self.rt.model], self.rt.module.config,
                                                    self.rt.module.pg_collection.tp)
 
-    def _apply_step(self, grad_norm: float, grad_scale: float) -> tuple:
+    def _apply_step(self, done: Committed) -> bool:
         began = time.perf_counter()
-        ok = optimizer_step.apply(self.rt.optimizer, grad_norm, self.rt.clip_grad, grad_scale)
+        ok = optimizer_step.apply(self.rt.optimizer, done.grad_norm, self.rt.clip_grad,
+                                  done.grad_scale)
         self.rt.params_behind = sharded_state.is_sharded(self.rt.optimizer)
         if self.rt.buddy is not None:
-            self.rt.buddy.step(grad_norm, self.rt.clip_grad, grad_scale)
+            self.rt.buddy.step(done.grad_norm, self.rt.clip_grad, done.grad_scale)
         if self.rt.shadows is not None:
             self.rt.shadows.stepped()
         if ok:
@@ -599,7 +617,7 @@ class Executor:
             # The step's emulated cost is here: its preparation (the local grad norm) is
             # short, and the commit between the two is a wait on the other ranks.
             self.rt.emulation.computed(Op(OpKind.OPT_STEP), began)
-        return ok, grad_norm
+        return ok
 
     _DISPATCH = {
         OpKind.RECV_FWD: _recv_fwd, OpKind.FWD: _fwd, OpKind.SEND_FWD: _send_fwd,

@@ -362,7 +362,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-params-norm", action="store_true", help="refused: not logged yet")
     g.add_argument("--log-num-zeros-in-grad", action="store_true",
-                   help="refused: not logged yet")
+                   help="the gradient's zero entries (each parameter once) in each iteration "
+                        "line")
     g.add_argument("--wandb-project", default=None,
                    help="refused: wandb is not installed; use --tensorboard-dir")
     g.add_argument("--wandb-exp-name", default=None, help="refused with --wandb-project")
@@ -575,6 +576,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
             metrics_file=args.chameleon_metrics_file, log_throughput=args.log_throughput,
             log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
             profile=args.profile, profile_start=args.profile_step_start,
             profile_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
             profile_shapes=args.pytorch_profiler_collect_shapes,
@@ -953,9 +955,9 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "only with --use-pytorch-profiler: nsys's capture range (cudaProfilerStart) is not wired"),
     ("--tiktoken-pattern", lambda a: a.tiktoken_pattern is not None,
      "there is no TikTokenizer here"),
-    ("--log-params-norm", lambda a: a.log_params_norm, "the parameter norm is not logged yet"),
-    ("--log-num-zeros-in-grad", lambda a: a.log_num_zeros_in_grad,
-     "the gradient's zeros are not counted yet"),
+    ("--log-params-norm", lambda a: a.log_params_norm,
+     "not logged: Megatron-LM's norm of the stepped parameters would take a collective after "
+     "the step's commit, where no rank may wait on another"),
     ("--wandb-project", lambda a: any(v is not None for v in (
         a.wandb_project, a.wandb_exp_name, a.wandb_save_dir)),
      "wandb is not installed: the job logs to --tensorboard-dir"),

@@ -218,6 +218,7 @@ class LoggingConfig:
     metrics_file: str | None = None          # --chameleon-metrics-file: JSON-lines events
     log_throughput: bool = False             # --log-throughput: model TFLOP/s per GPU
     log_timers_to_tensorboard: bool = False  # --log-timers-to-tensorboard
+    log_num_zeros_in_grad: bool = False      # --log-num-zeros-in-grad
     # --profile --use-pytorch-profiler: torch.profiler over iterations profile_start + 1 ..
     # profile_end (--profile-step-start/end) on --profile-ranks (empty: every rank)
     profile: bool = False

@@ -61,11 +61,14 @@ class Tensorboard:
 
 def iteration_line(*, iteration: int, train_iters: int, consumed: int, elapsed_ms: float, lr: float,
                    gbs: int, loss: float, grad_norm: float | None, tokens_per_s: float,
-                   skipped: int, tflops_per_gpu: float | None = None) -> str:
+                   skipped: int, tflops_per_gpu: float | None = None,
+                   num_zeros: float | None = None) -> str:
     """The line Megatron-LM's training_log prints, with throughput in tokens/s (and, with
     --log-throughput, the model's TFLOP/s per GPU)."""
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
+    if num_zeros is not None:
+        norm += f" num zeros: {num_zeros:.0f} |"
     flops = (f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |"
              if tflops_per_gpu is not None else "")
     return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"

@@ -103,12 +103,14 @@ class Reporter:
             self.metrics.write("iteration", **self.last_record)
         self.tb.scalars(it, **{"lm loss": res.loss, "learning-rate": lr,
                                "grad-norm": res.grad_norm, "iteration-time": ms / 1e3,
-                               "tokens-per-second": tokens_per_s, "throughput": tflops})
+                               "tokens-per-second": tokens_per_s, "throughput": tflops,
+                               "num-zeros": res.num_zeros})
         if it % self.logging.log_interval == 0:
             self.line(iteration_line(
                 iteration=it, train_iters=self.train_iters, consumed=consumed, elapsed_ms=ms, lr=lr,
                 gbs=plan.global_batch_size, loss=res.loss, grad_norm=res.grad_norm,
-                tokens_per_s=tokens_per_s, skipped=self.skipped, tflops_per_gpu=tflops))
+                tokens_per_s=tokens_per_s, skipped=self.skipped, tflops_per_gpu=tflops,
+                num_zeros=res.num_zeros))
             text = timers_text()
             if text:
                 self.line(text.rstrip())

@@ -190,7 +190,7 @@ class Trainer:
             hooks=self._step_hooks(), emulation=self.emulation,
             every_stage_reads=config.data.reset_attention_mask,
             grad_reduce_in_fp32=not training.grad_reduce_in_bf16,
-            per_token_loss=training.per_token_loss,
+            per_token_loss=training.per_token_loss, count_zeros=log.log_num_zeros_in_grad,
             data_parallel=runtime.DataParallel(
                 config.parallel.distributed_optimizer, config.parallel.optimizer_instances,
                 config.parallel.overlap_grad_reduce, config.parallel.overlap_param_gather,

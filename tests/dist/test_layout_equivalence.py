@@ -3,9 +3,12 @@
 schedules (forward_backward_no_pipelining, 1F1B) on the same model and batches; so do tensor
 parallel 2 (alone and in TP 2 x PP 2 x DP 2) and plans whose unit is the TP group (a lost stage's
 micro-batches hosted by another pipeline's TP group, a pipeline with one stage fewer), with
-dropout on: initial weights and dropout masks do not depend on the TP size."""
+dropout on: initial weights and dropout masks do not depend on the TP size. Every layout logs
+the gradient's zero entries (--log-num-zeros-in-grad; here a handful of exact zeros that
+rounding makes, so their count is the summation order's)."""
 
 import json
+import re
 
 import pytest
 
@@ -17,7 +20,13 @@ pytestmark = pytest.mark.slow
 def common(data: str) -> list[str]:
     return SMALL_MODEL + ["--global-batch-size", "16", "--train-iters", "10",
                           "--lr-decay-iters", "10", "--lr", "3e-3", "--lr-warmup-iters", "2",
-                          "--data-path", data, "--split", "100,0,0", "--log-interval", "5"]
+                          "--data-path", data, "--split", "100,0,0", "--log-interval", "5",
+                          "--log-num-zeros-in-grad"]
+
+
+def zeros(run) -> list[int]:
+    """The gradient's zero entries of each logged iteration."""
+    return [int(n) for n in re.findall(r"num zeros: (\d+) \|", run.stdout)]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +47,7 @@ def test_pipeline_layouts_match_single_process(single, small_data, tmp_path, pp)
     assert run.returncode == 0, run.stderr[-3000:]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert_close(run.losses(), single.losses())
+    assert len(zeros(run)) == len(zeros(single)) == 2
     consumed = [e["consumed_samples"] for e in run.metrics if e["event"] == "iteration"]
     assert consumed == [16 * i for i in range(1, 11)]
     assert all(e["world"] == 4 for e in run.metrics if e["event"] == "iteration")
@@ -127,6 +137,7 @@ def test_tensor_parallel_layouts_match_single_process(single, small_data, tmp_pa
     assert f"tensor parallel {tp}" in run.stdout
     assert ("sequence parallel" in run.stdout) == bool(extra)
     assert_close(run.losses(), single.losses())
+    assert len(zeros(run)) == 2
 
 
 def tp2_plan(path, pipelines: list[dict]):

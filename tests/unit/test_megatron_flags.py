@@ -144,7 +144,7 @@ def test_data_checkpoint_and_logging_flags():
       "--profile-step-start", "3", "--profile-step-end", "3"],
      "--profile needs 0 <= --profile-step-start < --profile-step-end"),
     (["--wandb-project", "p"], "--wandb-project: wandb is not installed"),
-    (["--log-params-norm"], "--log-params-norm: the parameter norm is not logged yet"),
+    (["--log-params-norm"], "--log-params-norm: not logged: Megatron-LM's norm of the stepped"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
     (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"],
      "--reset-attention-mask needs the loader's attention mask"),
@@ -360,3 +360,22 @@ def test_sequence_parallel_reaches_the_transformer_config():
 def test_tensor_parallel_needs_whole_query_groups():
     assert "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2" in refusal(
         "--group-query-attention", "--tensor-model-parallel-size", "2", world=2)
+
+
+def test_num_zeros_counts_the_gradients_of_the_norm():
+    """--log-num-zeros-in-grad: this rank's part, over the gradients megatron-core counts in
+    the norm (each parameter once over the world), summed at the commit."""
+    import torch
+
+    from megatron.elastic import optimizer_step
+
+    class Optimizer:
+        def prepare_grads(self) -> bool:
+            return False
+
+        def get_main_grads_for_grad_norm(self):
+            return [torch.tensor([0.0, 3.0, 0.0]), torch.tensor([[4.0, 0.0]])]
+
+    parts = optimizer_step.prepare(Optimizer(), count_zeros=True)
+    assert (parts.norm_sq, parts.zeros) == (25.0, 3.0)
+    assert optimizer_step.prepare(Optimizer()).zeros == 0.0
