@@ -47,12 +47,13 @@ class ProfileError(ValueError):
     """A profile file that cannot be used; the message says why."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelShape:
     """The GPT configuration a profile describes (megatron-core GPTModel, local layer spec).
     The fields after bytes_per_element are Megatron-LM's model flags; their defaults are GPT-2's
     shapes, which profiles written before them describe. A field equal to its default's value
-    is stored as the default (__post_init__), so equal models compare equal however given."""
+    is stored as the default (__post_init__), so equal models compare equal however given.
+    Frozen, so hashable: stage_param_count caches by it."""
 
     num_layers: int
     hidden_size: int
@@ -87,18 +88,23 @@ class ModelShape:
             raise ProfileError(f"model recompute {self.recompute!r} is not one of "
                                f"{', '.join(repr(r) for r in RECOMPUTE)}")
         h, a = self.hidden_size, self.num_attention_heads
+
+        def default(name: str) -> None:
+            object.__setattr__(self, name, 0)   # frozen: the normal form, set once here
+
         if self.ffn_hidden_size == 4 * h:
-            self.ffn_hidden_size = 0
+            default("ffn_hidden_size")
         if self.num_query_groups == a:
-            self.num_query_groups = 0
+            default("num_query_groups")
         if a and self.kv_channels * a == h:
-            self.kv_channels = 0
+            default("kv_channels")
         if self.max_position_embeddings == self.seq_length:
-            self.max_position_embeddings = 0
+            default("max_position_embeddings")
         if not self.num_experts:
-            self.moe_ffn_hidden_size = self.moe_router_topk = self.moe_shared_ffn = 0
+            for name in ("moe_ffn_hidden_size", "moe_router_topk", "moe_shared_ffn"):
+                default(name)
         elif self.moe_ffn_hidden_size == self.ffn:
-            self.moe_ffn_hidden_size = 0
+            default("moe_ffn_hidden_size")
 
     @property
     def ffn(self) -> int:
@@ -563,9 +569,11 @@ def stage_params(plan: ExecutionPlan, rank: int, shape: ModelShape) -> int:
                              plan.is_last_stage(rank), plan.tensor_parallel)
 
 
+@functools.lru_cache(maxsize=65536)
 def stage_param_count(shape: ModelShape, layers: int, first: bool, last: bool,
                       tensor_parallel: int) -> int:
-    """stage_params of a stage of `layers` layers, without a plan (the planner's bounds)."""
+    """stage_params of a stage of `layers` layers, without a plan (the planner's bounds).
+    Cached: a trace's simulation asks it hundreds of thousands of times for a few shapes."""
     total = layers * shape.layer_params() + first * shape.embedding_params() \
         + last * shape.head_params(first)
     return total // tensor_parallel
