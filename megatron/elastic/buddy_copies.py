@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer import optimizer as mcore_optimizer
 
-from megatron.elastic import sharded_state, state_transfer
+from megatron.elastic import optimizer_step, sharded_state, state_transfer
 
 
 @dataclass
@@ -170,12 +169,8 @@ class BuddyCopies:
         for r in self.rings:
             if not r.copies:
                 continue
-            if grad_scale != 1.0:
-                torch._foreach_mul_([c.param.grad for c in r.copies], grad_scale)
-            if clip_grad > 0.0:
-                # looked up at the call: cpu_compat replaces megatron-core's CUDA-only version
-                mcore_optimizer.clip_grad_by_total_norm_fp32(
-                    [c.param for c in r.copies], clip_grad, total_norm, False)
+            optimizer_step.scale_and_clip([c.param for c in r.copies], total_norm, clip_grad,
+                                          grad_scale)
             for twin_group, k in zip(r.twin.param_groups, r.groups):
                 twin_group.update(_hyper(r.optimizer.optimizer.param_groups[k]))
             r.twin.step()

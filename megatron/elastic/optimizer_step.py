@@ -12,9 +12,10 @@ has three parts, and only the middle one talks to other ranks:
 2. the commit (the executor's): one all-reduce over the world carries the norm parts with the
    loss, then every rank votes on the store (chameleon_ext.control.step_vote.StepVote.commit).
 3. `apply`: local. Scale the gradients where the loss was a sum (--calculate-per-token-loss:
-   by one over the batch's tokens, known at the commit), clip by the global norm and step (`step_with_ready_grads`). The distributed
-   optimizer steps this rank's shard only: megatron-core's all-gather of the stepped shards
-   waits for the next iteration (sharded_state.step_locally, gather_parameters).
+   by one over the batch's tokens, known at the commit), clip by the global norm and step
+   (`step_with_ready_grads`). The distributed optimizer steps this rank's shard only:
+   megatron-core's all-gather of the stepped shards waits for the next iteration
+   (sharded_state.step_locally, gather_parameters).
 """
 
 from __future__ import annotations
@@ -59,22 +60,30 @@ def prepare(optimizer, count_zeros: bool = False) -> GradParts:
 
 
 @torch.no_grad()
+def scale_and_clip(params: list, total_norm: float, clip_grad: float, grad_scale: float,
+                   use_decoupled_grad: bool = False) -> None:
+    """The gradients of `params` times `grad_scale`, then clipped by the global norm
+    `total_norm` of the scaled gradients (when `clip_grad` > 0): an owner's step and its buddy
+    copies' alike."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    if grad_scale != 1.0:
+        grads = [getattr(p, attr) for p in params if getattr(p, attr, None) is not None]
+        if grads:
+            torch._foreach_mul_(grads, grad_scale)
+    if clip_grad > 0.0 and params:
+        # looked up at the call: cpu_compat replaces megatron-core's CUDA-only version
+        mcore_optimizer.clip_grad_by_total_norm_fp32(params, clip_grad, total_norm,
+                                                     use_decoupled_grad)
+
+
+@torch.no_grad()
 def apply(optimizer, total_norm: float, clip_grad: float, grad_scale: float = 1.0) -> bool:
     """Scale every gradient by `grad_scale`, clip it by the global norm `total_norm` (of the
     scaled gradients; when `clip_grad` > 0) and step."""
     for o in _optimizers(optimizer):
-        if grad_scale != 1.0 and not getattr(o, "is_stub_optimizer", False):
-            grads = [p.grad for p in o.get_parameters() if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, grad_scale)
-    if clip_grad > 0.0:
-        for o in _optimizers(optimizer):
-            params = o.get_parameters()
-            if params and not getattr(o, "is_stub_optimizer", False):
-                # looked up at the call: cpu_compat replaces megatron-core's CUDA-only version
-                mcore_optimizer.clip_grad_by_total_norm_fp32(
-                    params, clip_grad, total_norm,
-                    o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        if not getattr(o, "is_stub_optimizer", False):
+            scale_and_clip(o.get_parameters(), total_norm, clip_grad, grad_scale,
+                           o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
     ok = True
     for o in _optimizers(optimizer):
         ok &= sharded_state.step_locally(o) if isinstance(o, DistributedOptimizer) \

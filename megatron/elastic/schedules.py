@@ -289,10 +289,18 @@ class Executor:
             raise StepAborted(f"the step of iteration {iteration + 1} was not committed: a "
                               "rank did not vote")
         rt.hooks.tick(iteration, "optimizer step", False)
-        scale = 1.0 / max(tokens, 1.0) if rt.per_token_loss else 1.0
-        mean = loss_sum * scale if rt.per_token_loss else loss_sum / rt.plan.num_micro_batches
-        return Committed(mean, round(samples), math.sqrt(total_sq) * scale, scale,
+        total, count = self._loss_total(loss_sum, tokens)
+        scale = 1.0 / count if rt.per_token_loss else 1.0
+        return Committed(total / count, round(samples), math.sqrt(total_sq) * scale, scale,
                          zeros if rt.count_zeros else None)
+
+    def _loss_total(self, loss_sum: float, tokens: float) -> tuple[float, float]:
+        """The world's sums of the last stages' losses and tokens as (a loss total, what it
+        totals): (the token losses' sum, the tokens) with --calculate-per-token-loss, else
+        (the micro-batches' mean, 1)."""
+        if self.rt.per_token_loss:
+            return loss_sum, max(tokens, 1.0)
+        return loss_sum / self.rt.plan.num_micro_batches, 1.0
 
     def _check_finished(self) -> None:
         if (self._inputs or self._outputs or self._out_grads or self._in_grads
@@ -448,17 +456,13 @@ class Executor:
         return total / max(n, 1.0)
 
     def _global_loss(self) -> tuple[float, float]:
-        """One SUM over the world of the last stages' partial sums: (the iteration's loss sum,
-        what it is the sum of: its tokens with --calculate-per-token-loss, else 1)."""
+        """One SUM over the world of the last stages' partial sums, as _loss_total."""
         rt = self.rt
         mine = rt.last and rt.plan.position(rt.rank).tp_rank == 0
         t = torch.tensor([float(self._loss_sum), self._tokens] if mine else [0.0, 0.0],
                          dtype=torch.float64, device=_device())
         dist.all_reduce(t)
-        loss_sum, tokens = t.tolist()
-        if rt.per_token_loss:
-            return loss_sum, tokens
-        return loss_sum / rt.plan.num_micro_batches, 1.0
+        return self._loss_total(*t.tolist())
 
     def _wait_sends(self) -> None:
         for work, _ in self._pending:
