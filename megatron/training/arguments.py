@@ -86,8 +86,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="RoPE positions divided by this factor (position interpolation)")
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.x's scaling of the RoPE frequencies")
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
-                   help="with --use-rope-scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="with --use-rope-scaling (default 8)")
     g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
                    help="rope (yarn is refused: it goes with multi-latent attention)")
     g.add_argument("--no-position-embedding", action="store_false",
@@ -141,14 +141,15 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="refused: a CUDA kernel")
     g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"),
-                   default="allgather", help="how tokens reach their experts (flex is refused: "
-                                             "it needs DeepEP)")
+                   default=None, help="how tokens reach their experts (default allgather; flex "
+                                      "is refused: it needs DeepEP)")
     g.add_argument("--moe-router-dtype", choices=get_args(MoERouterDtype), default=None,
                    help="the router's logits and probabilities in this precision")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None,
                    help="the router's z-loss (ST-MoE) at this weight")
     g.add_argument("--moe-router-score-function", choices=get_args(MoEScoreFunction),
-                   default="softmax", help="the router's scores: softmax or sigmoid (DeepSeek-V3)")
+                   default=None, help="the router's scores: softmax (the default) or sigmoid "
+                                      "(DeepSeek-V3)")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
                    help="the top-k scores times this factor")
     g.add_argument("--moe-router-num-groups", type=int, default=None,
@@ -221,8 +222,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="each profiled rank's trace goes to <--tensorboard-dir>/../"
                         "torch_profile/rank-R.json.gz")
-    g.add_argument("--profile-step-start", type=int, default=10, help="with --profile")
-    g.add_argument("--profile-step-end", type=int, default=12, help="with --profile")
+    g.add_argument("--profile-step-start", type=int, default=None,
+                   help="with --profile (default 10)")
+    g.add_argument("--profile-step-end", type=int, default=None,
+                   help="with --profile (default 12)")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[],
                    help="global ranks to profile (default: every rank)")
     g.add_argument("--pytorch-profiler-collect-shapes", action="store_true")
@@ -707,7 +710,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
          "--no-position-embedding is deprecated (as in Megatron-LM): use "
          "--position-embedding-type rope")
     need(not args.use_rope_scaling or rope, "--use-rope-scaling needs --position-embedding-type rope")
-    need(args.rope_scaling_factor > 0, "--rope-scaling-factor must be positive")
+    if args.rope_scaling_factor is None:
+        args.rope_scaling_factor = 8.0           # Megatron-LM's default
+    else:
+        need(args.use_rope_scaling, "--rope-scaling-factor needs --use-rope-scaling")
+        need(args.rope_scaling_factor > 0, "--rope-scaling-factor must be positive")
+    need(args.rope_type is None or rope, "--rope-type needs --position-embedding-type rope")
     need(args.rotary_seq_len_interpolation_factor is None
          or (rope and args.rotary_seq_len_interpolation_factor >= 1),
          "--rotary-seq-len-interpolation-factor needs --position-embedding-type rope and a "
@@ -733,8 +741,14 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
              "biases without the grouped GEMM)")
     else:
         for flag in ("--moe-shared-expert-intermediate-size", "--moe-router-num-groups",
-                     "--moe-router-topk-scaling-factor"):
+                     "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
+                     "--moe-token-dispatcher-type", "--moe-router-dtype", "--moe-z-loss-coeff",
+                     "--moe-router-score-function"):
             need(getattr(args, flag[2:].replace("-", "_")) is None, f"{flag} needs --num-experts")
+    need(args.moe_router_group_topk is None or args.moe_router_num_groups is not None,
+         "--moe-router-group-topk needs --moe-router-num-groups")
+    args.moe_token_dispatcher_type = args.moe_token_dispatcher_type or "allgather"
+    args.moe_router_score_function = args.moe_router_score_function or "softmax"
     if args.recompute_activations:
         need(args.recompute_granularity in (None, "selective"),
              "--recompute-activations is --recompute-granularity selective")
@@ -784,6 +798,19 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         value = getattr(args, name)
         need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive")
     need(args.manual_gc_interval >= 0, "--manual-gc-interval must be non-negative")
+    profiler_flags = {"--use-pytorch-profiler": args.use_pytorch_profiler,
+                      "--profile-step-start": args.profile_step_start is not None,
+                      "--profile-step-end": args.profile_step_end is not None,
+                      "--profile-ranks": bool(args.profile_ranks),
+                      "--pytorch-profiler-collect-shapes": args.pytorch_profiler_collect_shapes,
+                      "--pytorch-profiler-collect-callstack":
+                          args.pytorch_profiler_collect_callstack}
+    for flag, given in profiler_flags.items():
+        need(args.profile or not given, f"{flag} goes with --profile")
+    if args.profile_step_start is None:
+        args.profile_step_start = 10             # Megatron-LM's defaults
+    if args.profile_step_end is None:
+        args.profile_step_end = 12
     if args.profile:
         need(0 <= args.profile_step_start < args.profile_step_end,
              "--profile needs 0 <= --profile-step-start < --profile-step-end")

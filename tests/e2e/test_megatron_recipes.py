@@ -107,8 +107,8 @@ def example_llama3_8b(data: str, tmp) -> list[str]:
     """examples/llama/train_llama3_8b_h100_fp8.sh's flags, in its order, shrunk: 4 layers,
     hidden 64, 4 heads in 2 query groups; TP 1 -> 2 with its --sequence-parallel; on CPU its
     --attention-backend fused -> auto and no --bf16, --grad-reduce-in-bf16 or fp8 (DTYPE
-    bf16); --profile dropped (its step flags stay, inert without it, as in Megatron-LM);
-    samples 4 iterations' worth; the built-in data."""
+    bf16); --profile (nsys's, refused here) dropped with its step flags; samples 4 iterations'
+    worth; the built-in data."""
     return ["--use-mcore-models", "--num-layers", "4", "--hidden-size", "64",
             "--ffn-hidden-size", "96", "--num-attention-heads", "4", "--group-query-attention",
             "--num-query-groups", "2", "--kv-channels", "16", "--seq-length", "32",
@@ -128,8 +128,7 @@ def example_llama3_8b(data: str, tmp) -> list[str]:
             "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
             "--overlap-param-gather", "--log-interval", "1", "--eval-iters", "32",
             "--eval-interval", "100", "--save-interval", "1000", "--log-throughput",
-            "--profile-step-start", "4", "--profile-step-end", "6", "--ckpt-format",
-            "torch_dist", "--distributed-timeout-minutes", "60", "--save", str(tmp / "ckpt"),
+            "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", str(tmp / "ckpt"),
             "--load", str(tmp / "ckpt"), "--tensorboard-dir", str(tmp / "tb"),
             "--data-path", data, "--split", "949,50,1", "--no-progress-bar"]
 
