@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer import optimizer as mcore_optimizer
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron.elastic import sharded_state
@@ -40,6 +42,18 @@ class GradParts:
 
 def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+@torch.no_grad()
+def params_norm_part(optimizer) -> float:
+    """This rank's part of the squared norm of the parameters as stepped (--log-params-norm):
+    the main parameters (the distributed optimizer's: this rank's shard) chosen as the
+    gradient norm's are, so that each parameter counts once over the world."""
+    params = [p for o in _optimizers(optimizer) for p in o.get_parameters()
+              if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    if not params:
+        return 0.0
+    return float(torch.stack(torch._foreach_norm(params, 2.0)).double().square().sum())
 
 
 @torch.no_grad()

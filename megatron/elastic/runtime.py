@@ -34,7 +34,7 @@ from megatron.elastic.shadows import Shadows
 ModelProvider = Callable[[TransformerConfig, bool, bool, ProcessGroupCollection], torch.nn.Module]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerSettings:
     """OptimizerParamScheduler's arguments; its steps count samples, as in Megatron-LM."""
 
@@ -43,7 +43,16 @@ class SchedulerSettings:
     warmup_samples: int
     decay_samples: int
     decay_style: str
-    weight_decay: float
+    start_wd: float
+    end_wd: float
+    wd_incr_samples: int                 # the training span the weight decay changes over
+    wd_incr_style: str = "constant"
+    wsd_decay_samples: int | None = None  # WSD's annealing phase
+    wsd_decay_style: str | None = None
+    # a loaded schedule's settings against these: must be equal (neither), these (override)
+    # or the checkpoint's (use_checkpoint)
+    override: bool = False
+    use_checkpoint: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class DataParallel:
     instances: int = 1                   # --num-distributed-optimizer-instances (each shards once)
     overlap_grad_reduce: bool = False    # --overlap-grad-reduce: reduced in the backward's hooks
     overlap_param_gather: bool = False   # --overlap-param-gather: gathered in the next forward
+    bucket_size: int | None = None       # --ddp-bucket-size (None: megatron-core's)
     buddy: bool = False                  # --chameleon-shard-redundancy buddy: shards held twice
 
 
@@ -103,6 +113,19 @@ class RuntimeSpec:
     per_token_loss: bool = False       # --calculate-per-token-loss
     count_zeros: bool = False          # --log-num-zeros-in-grad
     data_parallel: DataParallel = DataParallel()
+
+
+def make_scheduler(optimizer, sched: SchedulerSettings) -> OptimizerParamScheduler:
+    """megatron-core's LR and weight-decay scheduler over `optimizer`'s param groups."""
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if sched.warmup_samples else sched.lr, max_lr=sched.lr,
+        min_lr=sched.min_lr, lr_warmup_steps=sched.warmup_samples,
+        lr_decay_steps=sched.decay_samples, lr_decay_style=sched.decay_style,
+        start_wd=sched.start_wd, end_wd=sched.end_wd, wd_incr_steps=sched.wd_incr_samples,
+        wd_incr_style=sched.wd_incr_style, wsd_decay_steps=sched.wsd_decay_samples,
+        lr_wsd_decay_style=sched.wsd_decay_style,
+        use_checkpoint_opt_param_scheduler=sched.use_checkpoint,
+        override_opt_param_scheduler=sched.override)
 
 
 def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
@@ -165,7 +188,7 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         overlap_grad_reduce=sharding.overlap_grad_reduce,
         use_distributed_optimizer=sharding.distributed_optimizer,
         num_distributed_optimizer_instances=sharding.instances,
-        overlap_param_gather=sharding.overlap_param_gather)
+        overlap_param_gather=sharding.overlap_param_gather, bucket_size=sharding.bucket_size)
     store = wgrad.install(module) if split else None
     model = DistributedDataParallel(cfg, ddp_config, module, pg_collection=pgs)
     # megatron-core's gloo groups serve only its own checkpoint formats of the distributed
@@ -173,13 +196,7 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     optimizer = get_megatron_optimizer(
         replace(spec.optimizer_config, use_distributed_optimizer=sharding.distributed_optimizer),
         [model], use_gloo_process_groups=False, pg_collection=pgs)
-    sched = spec.sched
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if sched.warmup_samples else sched.lr, max_lr=sched.lr,
-        min_lr=sched.min_lr, lr_warmup_steps=sched.warmup_samples,
-        lr_decay_steps=sched.decay_samples, lr_decay_style=sched.decay_style,
-        start_wd=sched.weight_decay, end_wd=sched.weight_decay,
-        wd_incr_steps=sched.decay_samples, wd_incr_style="constant")
+    scheduler = make_scheduler(optimizer, spec.sched)
 
     if config.num_moe_experts:
         # The router's aux loss enters each micro-batch's backward at this scale; the main loss

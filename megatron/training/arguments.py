@@ -27,8 +27,9 @@ from megatron.training.config import (AttentionBackend, Backend, CheckpointConfi
                                       LRDecayStyle, ModelConfig, MoERouterDtype,
                                       MoEScoreFunction, Normalization,
                                       ParallelConfig, Placement, PositionEmbedding,
-                                      RecomputeGranularity, RecomputeMethod, TrainingConfig,
-                                      TransformerImpl)
+                                      RecomputeGranularity, RecomputeMethod, TimingLogOption,
+                                      TrainingConfig, TransformerImpl, WDIncrStyle,
+                                      WSDDecayStyle)
 from megatron.training.tokenizer import TOKENIZER_TYPES
 
 
@@ -192,6 +193,18 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="with --fp16: a static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=None,
+                   help="with --fp16: the dynamic scale's start (default 2^32)")
+    g.add_argument("--min-loss-scale", type=float, default=None,
+                   help="with --fp16: the dynamic scale's floor (default 1)")
+    g.add_argument("--loss-scale-window", type=float, default=None,
+                   help="with --fp16: steps without inf/nan before the scale grows (default "
+                        "1000)")
+    g.add_argument("--hysteresis", type=int, default=None,
+                   help="with --fp16: inf/nan steps tolerated before the scale shrinks "
+                        "(default 2)")
     g.add_argument("--fp8-format", default=None, help="refused: fp8 needs transformer-engine "
                                                       "on Hopper GPUs")
     g.add_argument("--fp8-param-gather", action="store_true", help="refused: fp8")
@@ -214,7 +227,22 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="the loss is the mean over the global batch's tokens (default: the mean "
                         "of each micro-batch's token mean)")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="refused: the vocab-parallel cross entropy runs unfused")
+                   help="megatron-core's fused vocab-parallel cross entropy (compiled by "
+                        "torch.compile at its first call; its gradient comes back in bf16, "
+                        "as the kernel returns it)")
+    g.add_argument("--cross-entropy-fusion-impl", choices=("native", "te"), default=None,
+                   help="with --cross-entropy-loss-fusion: native (default) or te "
+                        "(transformer-engine's, CUDA)")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="torch's deterministic algorithms only (torch.use_deterministic_"
+                        "algorithms)")
+    g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"),
+                   default=None,
+                   help="only disabled: an iteration is never re-run to tell a transient fault "
+                        "from a reproducible one (a non-finite loss stops the job, see "
+                        "--no-check-for-nan-in-loss-and-grad)")
+    g.add_argument("--use-legacy-models", action="store_true",
+                   help="refused: megatron-core models only")
     g.add_argument("--profile", action="store_true",
                    help="with --use-pytorch-profiler: torch.profiler over iterations "
                         "--profile-step-start + 1 to --profile-step-end (nsys's capture range "
@@ -247,7 +275,31 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-decay-samples", type=int, default=None,
                    help="with --train-samples (default: --train-samples)")
+    g.add_argument("--lr-wsd-decay-style", choices=get_args(WSDDecayStyle), default=None,
+                   help="with --lr-decay-style WSD: the annealing phase's shape (default "
+                        "exponential)")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="with --lr-decay-style WSD: iterations of the annealing phase, the last "
+                        "of the decay span")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="with --lr-decay-style WSD and --train-samples: its samples")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="with --weight-decay-incr-style linear|cosine: the first weight decay")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="with --weight-decay-incr-style linear|cosine: the last")
+    g.add_argument("--weight-decay-incr-style", choices=get_args(WDIncrStyle),
+                   default="constant",
+                   help="how the weight decay goes from start to end over the training span "
+                        "(constant: --weight-decay throughout)")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   action="store_true", dest="override_opt_param_scheduler",
+                   help="a loaded checkpoint's LR and weight-decay schedule settings give way "
+                        "to the flags")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-"
+                   "scheduler", action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="a loaded checkpoint's schedule settings replace the flags' (default: "
+                        "they must be equal)")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -256,6 +308,11 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="the learning rate of the word embeddings and the output layer")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="with --decoupled-lr: their minimum (default --min-lr)")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="refused: the optimizer keeps fp32 main gradients and moments")
+    for flag in ("--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        g.add_argument(flag, choices=("fp32", "bf16", "fp16", "fp8"), default="fp32",
+                       help="only fp32")
 
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -304,6 +361,19 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="refused: --use-distributed-optimizer shards the optimizer state")
     g.add_argument("--use-nccl-ub", action="store_true",
                    help="refused: NCCL user-buffer registration is not supported")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per DDP gradient bucket (megatron-core's default: one "
+                        "bucket, or 40M with --use-distributed-optimizer)")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="refused: gradients are summed over replicas, each loss already scaled "
+                        "by the global batch")
+    g.add_argument("--use-torch-fsdp2", action="store_true", help="refused")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="refused: transformer-engine's userbuffers (CUDA)")
+    g.add_argument("--defer-embedding-wgrad-compute", action="store_true", help="refused")
+    g.add_argument("--delay-wgrad-compute", action="store_true",
+                   help="refused: the schedule splits backwards itself where it pays "
+                        "(--chameleon's rerouted schedules)")
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -358,12 +428,27 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=2)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=None,
+                   help="iterations between tensorboard writes (default 1)")
+    g.add_argument("--tensorboard-queue-size", type=int, default=None,
+                   help="events the tensorboard writer queues before it flushes (default 1000)")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="the training world's size (it changes as ranks are lost and rejoin)")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="CUDA's allocator statistics (needs CUDA)")
     g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0)
+    g.add_argument("--timing-log-option", choices=get_args(TimingLogOption), default="minmax",
+                   help="each timer's max over ranks, min and max, or every rank's")
     g.add_argument("--no-progress-bar", action="store_true")
     g.add_argument("--log-throughput", action="store_true",
                    help="model TFLOP/s per GPU in each iteration line")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
-    g.add_argument("--log-params-norm", action="store_true", help="refused: not logged yet")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="the norm of the stepped parameters in each iteration line (an "
+                        "all-reduce at the iteration's boundary)")
     g.add_argument("--log-num-zeros-in-grad", action="store_true",
                    help="the gradient's zero entries (each parameter once) in each iteration "
                         "line")
@@ -513,6 +598,9 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             init_method_std=args.init_method_std, transformer_impl=args.transformer_impl,
             bf16=args.bf16, fp16=args.fp16, swiglu=args.swiglu,
+            cross_entropy_fusion=args.cross_entropy_fusion_impl
+            if args.cross_entropy_loss_fusion else None,
+            deterministic=args.deterministic_mode,
             squared_relu=args.squared_relu, quick_geglu=args.quick_geglu,
             num_query_groups=args.num_query_groups if args.group_query_attention else None,
             add_bias_linear=not args.disable_bias_linear, kv_channels=args.kv_channels,
@@ -551,13 +639,25 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
-            last_stage_layers=args.decoder_last_pipeline_num_layers),
+            last_stage_layers=args.decoder_last_pipeline_num_layers,
+            ddp_bucket_size=args.ddp_bucket_size),
         training=TrainingConfig(
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             train_iters=args.train_iters, seed=args.seed, lr=args.lr, min_lr=args.min_lr,
             lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
             lr_warmup_fraction=args.lr_warmup_fraction,
             lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
+            lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+            lr_wsd_decay_samples=args.lr_wsd_decay_samples,
+            lr_wsd_decay_style=args.lr_wsd_decay_style,
+            start_weight_decay=args.start_weight_decay, end_weight_decay=args.end_weight_decay,
+            weight_decay_incr_style=args.weight_decay_incr_style,
+            train_samples=args.train_samples,
+            override_schedule=args.override_opt_param_scheduler,
+            checkpoint_schedule=args.use_checkpoint_opt_param_scheduler,
+            loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
             clip_grad=args.clip_grad, decoupled_lr=args.decoupled_lr,
             decoupled_min_lr=args.decoupled_min_lr,
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
@@ -580,6 +680,14 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             metrics_file=args.chameleon_metrics_file, log_throughput=args.log_throughput,
             log_timers_to_tensorboard=args.log_timers_to_tensorboard,
             log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+            log_params_norm=args.log_params_norm,
+            timing_log_option=args.timing_log_option,
+            tensorboard_log_interval=args.tensorboard_log_interval,
+            tensorboard_queue_size=args.tensorboard_queue_size,
+            log_loss_scale=args.log_loss_scale_to_tensorboard,
+            log_validation_ppl=args.log_validation_ppl_to_tensorboard,
+            log_world_size=args.log_world_size_to_tensorboard,
+            log_memory=args.log_memory_to_tensorboard,
             profile=args.profile, profile_start=args.profile_step_start,
             profile_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
             profile_shapes=args.pytorch_profiler_collect_shapes,
@@ -794,6 +902,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         need(args.lr_warmup_samples < args.lr_decay_samples or args.lr_warmup_samples == 0,
              f"--lr-warmup-samples {args.lr_warmup_samples} must be below --lr-decay-samples "
              f"{args.lr_decay_samples}")
+    _schedule(args)
+    _tensorboard(args)
     for name in ("exit_interval", "exit_duration_in_mins"):
         value = getattr(args, name)
         need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive")
@@ -900,6 +1010,22 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     need(cuda or not (args.bf16 or args.fp16),
          "--bf16/--fp16 need CUDA: megatron-core's mixed-precision optimizer is CUDA-only")
     te = cuda and importlib.util.find_spec("transformer_engine") is not None
+    scaling = [f"--{name.replace('_', '-')}" for name in _LOSS_SCALING
+               if getattr(args, name) is not None]
+    need(args.fp16 or not scaling, f"{', '.join(scaling)} go(es) with --fp16")
+    need(all(getattr(args, name) is None or getattr(args, name) > 0 for name in _LOSS_SCALING),
+         "the loss-scaling settings must be positive")
+    need(cuda or not args.log_memory_to_tensorboard,
+         "--log-memory-to-tensorboard logs CUDA's allocator statistics: it needs CUDA")
+    if args.cross_entropy_loss_fusion:
+        args.cross_entropy_fusion_impl = args.cross_entropy_fusion_impl or "native"
+        need(args.cross_entropy_fusion_impl == "native" or te,
+             "--cross-entropy-fusion-impl te needs transformer-engine and CUDA")
+    else:
+        need(args.cross_entropy_fusion_impl is None,
+             "--cross-entropy-fusion-impl goes with --cross-entropy-loss-fusion")
+    need(args.ddp_bucket_size is None or args.ddp_bucket_size >= 1,
+         "--ddp-bucket-size must be at least 1")
     if args.transformer_impl is None:
         args.transformer_impl = "transformer_engine" if te else "local"
     need(args.transformer_impl == "local" or te,
@@ -976,15 +1102,35 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "grouped GEMM is a CUDA kernel; experts run as separate MLPs"),
     ("--async-save", lambda a: a.async_save,
      "saves are synchronous: a recovery or restart needs a complete checkpoint"),
-    ("--cross-entropy-loss-fusion", lambda a: a.cross_entropy_loss_fusion,
-     "the vocab-parallel cross entropy runs unfused"),
+    ("--use-legacy-models", lambda a: a.use_legacy_models,
+     "the legacy models are gone: megatron-core's GPTModel only"),
+    ("--rerun-mode", lambda a: a.rerun_mode not in (None, "disabled"),
+     "only disabled: no iteration is re-run to validate its result"),
+    ("--use-precision-aware-optimizer", lambda a: a.use_precision_aware_optimizer,
+     "the optimizer keeps fp32 main gradients and moments (a recovery and a checkpoint carry "
+     "them as they are)"),
+    ("--main-grads-dtype", lambda a: a.main_grads_dtype != "fp32",
+     "only fp32 (without --use-precision-aware-optimizer)"),
+    ("--exp-avg-dtype", lambda a: a.exp_avg_dtype != "fp32",
+     "only fp32 (without --use-precision-aware-optimizer)"),
+    ("--exp-avg-sq-dtype", lambda a: a.exp_avg_sq_dtype != "fp32",
+     "only fp32 (without --use-precision-aware-optimizer)"),
+    ("--ddp-average-in-collective", lambda a: a.ddp_average_in_collective,
+     "gradients are summed over the replicas, each micro-batch's loss already divided by "
+     "the global batch, so that the update is the same under every plan"),
+    ("--use-torch-fsdp2", lambda a: a.use_torch_fsdp2,
+     "FSDP is not supported: --use-distributed-optimizer shards the optimizer state"),
+    ("--tp-comm-overlap", lambda a: a.tp_comm_overlap,
+     "transformer-engine's userbuffers overlap is not supported"),
+    ("--defer-embedding-wgrad-compute", lambda a: a.defer_embedding_wgrad_compute,
+     "needs --tp-comm-overlap and the gradient-accumulation fusion, neither supported"),
+    ("--delay-wgrad-compute", lambda a: a.delay_wgrad_compute,
+     "transformer-engine's delayed weight gradients are not supported; the executor "
+     "splits backwards itself where a rerouted schedule gains from it"),
     ("--profile", lambda a: a.profile and not a.use_pytorch_profiler,
      "only with --use-pytorch-profiler: nsys's capture range (cudaProfilerStart) is not wired"),
     ("--tiktoken-pattern", lambda a: a.tiktoken_pattern is not None,
      "there is no TikTokenizer here"),
-    ("--log-params-norm", lambda a: a.log_params_norm,
-     "not logged: Megatron-LM's norm of the stepped parameters would take a collective after "
-     "the step's commit, where no rank may wait on another"),
     ("--wandb-project", lambda a: any(v is not None for v in (
         a.wandb_project, a.wandb_exp_name, a.wandb_save_dir)),
      "wandb is not installed: the job logs to --tensorboard-dir"),
@@ -1028,6 +1174,66 @@ def _pipeline_split(args: argparse.Namespace) -> None:
         flags = ("--num-layers" if first is None and last is None else
                  "--decoder-first/last-pipeline-num-layers")
         raise ArgumentError(f"{flags}: {e}") from None
+
+
+_LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                 "hysteresis")
+
+
+def _schedule(args: argparse.Namespace) -> None:
+    """WSD's annealing phase in samples, the weight decay's start and end, and how a loaded
+    checkpoint's schedule meets the flags', as Megatron-LM's scheduler takes them."""
+    wsd = {"--lr-wsd-decay-iters": args.lr_wsd_decay_iters,
+           "--lr-wsd-decay-samples": args.lr_wsd_decay_samples,
+           "--lr-wsd-decay-style": args.lr_wsd_decay_style}
+    if args.lr_decay_style != "WSD":
+        given = [f for f, v in wsd.items() if v is not None]
+        if given:
+            raise ArgumentError(f"{', '.join(given)} go(es) with --lr-decay-style WSD")
+    else:
+        by_samples = args.train_samples is not None
+        flag = "--lr-wsd-decay-samples" if by_samples else "--lr-wsd-decay-iters"
+        other = "--lr-wsd-decay-iters" if by_samples else "--lr-wsd-decay-samples"
+        if wsd[other] is not None:
+            raise ArgumentError(f"{other} goes with "
+                                f"{'--train-iters' if by_samples else '--train-samples'}; "
+                                f"use {flag}")
+        if wsd[flag] is None or wsd[flag] < 1:
+            raise ArgumentError(f"--lr-decay-style WSD needs {flag} N >= 1 (its annealing "
+                                "phase)")
+        if wsd[flag] > (args.lr_decay_samples if by_samples else args.lr_decay_iters):
+            raise ArgumentError(f"{flag}: the annealing phase is longer than the decay span")
+    args.lr_wsd_decay_style = args.lr_wsd_decay_style or "exponential"
+    start, end = args.start_weight_decay, args.end_weight_decay
+    if args.weight_decay_incr_style == "constant":
+        if start is not None or end is not None:
+            raise ArgumentError("--start-weight-decay and --end-weight-decay go with "
+                                "--weight-decay-incr-style linear|cosine (constant: "
+                                "--weight-decay)")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif start is None or end is None or not 0.0 <= start <= end:
+        raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
+                            "--start-weight-decay and --end-weight-decay, 0 <= start <= end")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and "
+                            "--use-checkpoint-opt_param-scheduler exclude each other")
+
+
+def _tensorboard(args: argparse.Namespace) -> None:
+    """Flags that only change what goes to tensorboard need --tensorboard-dir."""
+    given = [flag for flag, on in (
+        ("--tensorboard-log-interval", args.tensorboard_log_interval is not None),
+        ("--tensorboard-queue-size", args.tensorboard_queue_size is not None),
+        ("--log-validation-ppl-to-tensorboard", args.log_validation_ppl_to_tensorboard),
+        ("--log-world-size-to-tensorboard", args.log_world_size_to_tensorboard),
+        ("--log-memory-to-tensorboard", args.log_memory_to_tensorboard)) if on]
+    if given and args.tensorboard_dir is None:
+        raise ArgumentError(f"{', '.join(given)} go(es) with --tensorboard-dir")
+    for name, default in (("tensorboard_log_interval", 1), ("tensorboard_queue_size", 1000)):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be at least 1")
+        setattr(args, name, default if value is None else value)
 
 
 def _train_span(args: argparse.Namespace) -> None:

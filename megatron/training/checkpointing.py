@@ -141,6 +141,27 @@ def model_args(root: str) -> dict | None:
     return meta["model_args"]
 
 
+# The schedule settings a checkpoint records that megatron-core's scheduler checks on load
+_SCHEDULE_SETTINGS = {"max_lr": "learning rate", "min_lr": "minimum learning rate",
+                      "lr_warmup_steps": "warm-up samples", "lr_decay_steps": "decay samples",
+                      "lr_decay_style": "decay style", "start_wd": "start weight decay",
+                      "end_wd": "end weight decay", "wd_incr_steps": "weight-decay samples",
+                      "wd_incr_style": "weight-decay increment style"}
+
+
+def schedule_mismatch(scheduler, saved: dict) -> str | None:
+    """What megatron-core's scheduler would assert on loading `saved` (Megatron-LM's default:
+    the flags and the checkpoint agree), as one line naming the way out; None when it loads."""
+    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+        return None
+    for key, what in _SCHEDULE_SETTINGS.items():
+        if key in saved and saved[key] != getattr(scheduler, key):
+            return (f"its {what} is {saved[key]!r}, the flags give {getattr(scheduler, key)!r}: "
+                    "pass --override-opt_param-scheduler to take the flags' schedule or "
+                    "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    return None
+
+
 def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
          group: dist.ProcessGroup | None = None, optimizer: bool = True,
          scheduler: bool = True) -> dict | None:
@@ -155,6 +176,10 @@ def load(root: str, rt: StageRuntime, *, tied_embeddings: bool, expect: dict,
     for k, v in expect.items():
         if meta.get(k) != v:
             raise CheckpointError(f"checkpoint {d} has {k}={meta.get(k)!r}, this run has {v!r}")
+    if scheduler:
+        differs = schedule_mismatch(rt.scheduler, meta["scheduler"])
+        if differs:
+            raise CheckpointError(f"checkpoint {d}: {differs}")
     sd = _state_dict(rt, tied_embeddings, create_missing=True, optimizer=optimizer)
     dcp.load(sd, checkpoint_id=str(d), process_group=group)
     if optimizer and sharded_state.is_sharded(rt.optimizer):

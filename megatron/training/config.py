@@ -19,7 +19,11 @@ Normalization = Literal["LayerNorm", "RMSNorm"]
 TransformerImpl = Literal["local", "transformer_engine"]
 Backend = Literal["nccl", "gloo"]
 Placement = Literal["spread", "megatron"]
-LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
+LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+WSDDecayStyle = Literal["exponential", "linear", "cosine", "minus_sqrt"]
+WDIncrStyle = Literal["constant", "linear", "cosine"]
+TimingLogOption = Literal["max", "minmax", "all"]
+CrossEntropyFusion = Literal["native", "te"]
 # --attention-backend: megatron-core's AttnBackend names; flash and fused are CUDA kernels
 AttentionBackend = Literal["auto", "local", "unfused", "flash", "fused"]
 RecomputeGranularity = Literal["full", "selective"]
@@ -92,6 +96,9 @@ class ModelConfig:
     recompute_num_layers: int | None = None                     # --recompute-num-layers
     bf16: bool = False                       # --bf16
     fp16: bool = False                       # --fp16
+    # --cross-entropy-loss-fusion with --cross-entropy-fusion-impl (None: unfused)
+    cross_entropy_fusion: CrossEntropyFusion | None = None
+    deterministic: bool = False              # --deterministic-mode
     # The tokenizer's vocabulary padded to a multiple of --make-vocab-size-divisible-by; known
     # once the tokenizer is built (training.pretrain), 0 until then.
     padded_vocab_size: int = 0
@@ -147,6 +154,7 @@ class ParallelConfig:
     # last stages' layers; the stages between split the rest evenly (None: an even split)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    ddp_bucket_size: int | None = None       # --ddp-bucket-size (None: megatron-core's)
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,29 @@ class TrainingConfig:
     lr_decay_samples: int | None = None
     lr_warmup_fraction: float | None = None  # --lr-warmup-fraction: of the decay span
     weight_decay: float = 0.01               # --weight-decay
+    # --lr-decay-style WSD: the annealing phase, the decay span's last iterations or samples
+    # (--lr-wsd-decay-iters, --lr-wsd-decay-samples), and its shape
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
+    lr_wsd_decay_style: WSDDecayStyle = "exponential"
+    # --start-weight-decay / --end-weight-decay, --weight-decay-incr-style: the weight decay
+    # from start to end over the training span (constant: both --weight-decay)
+    start_weight_decay: float = 0.01
+    end_weight_decay: float = 0.01
+    weight_decay_incr_style: WDIncrStyle = "constant"
+    train_samples: int | None = None         # --train-samples (None: --train-iters counts)
+    # A loaded checkpoint's schedule settings against the flags: by default they must be
+    # equal; --override-opt_param-scheduler keeps the flags', --use-checkpoint-opt_param-
+    # scheduler the checkpoint's
+    override_schedule: bool = False
+    checkpoint_schedule: bool = False
+    # --fp16's loss scaling: --loss-scale (static) or the dynamic scaler's --initial-loss-scale,
+    # --min-loss-scale, --loss-scale-window, --hysteresis (None: megatron-core's defaults)
+    loss_scale: float | None = None
+    initial_loss_scale: float | None = None
+    min_loss_scale: float | None = None
+    loss_scale_window: float | None = None
+    hysteresis: int | None = None
     clip_grad: float = 1.0                   # --clip-grad
     # --decoupled-lr / --decoupled-min-lr: the embedding's and output layer's own schedule
     decoupled_lr: float | None = None
@@ -206,6 +237,25 @@ class TrainingConfig:
             else self.lr_warmup_iters * gbs
         return warmup, decay
 
+    @property
+    def wsd_samples(self) -> int | None:
+        """WSD's annealing phase in samples (None: not WSD)."""
+        if self.lr_wsd_decay_samples is not None:
+            return self.lr_wsd_decay_samples
+        return None if self.lr_wsd_decay_iters is None \
+            else self.lr_wsd_decay_iters * self.global_batch_size
+
+    @property
+    def wd_incr_samples(self) -> int:
+        """The span in samples over which the weight decay goes from start to end: the
+        training span, as Megatron-LM's wd_incr_steps. A constant weight decay never reads it
+        and gets the LR decay span instead, so that a run extended under the same LR schedule
+        resumes from its checkpoint without a schedule mismatch."""
+        if self.weight_decay_incr_style == "constant":
+            return self.schedule_samples()[1]
+        return self.train_samples if self.train_samples is not None \
+            else self.train_iters * self.global_batch_size
+
 
 @dataclass(frozen=True)
 class LoggingConfig:
@@ -219,6 +269,14 @@ class LoggingConfig:
     log_throughput: bool = False             # --log-throughput: model TFLOP/s per GPU
     log_timers_to_tensorboard: bool = False  # --log-timers-to-tensorboard
     log_num_zeros_in_grad: bool = False      # --log-num-zeros-in-grad
+    log_params_norm: bool = False            # --log-params-norm
+    timing_log_option: TimingLogOption = "minmax"   # --timing-log-option
+    tensorboard_log_interval: int = 1        # --tensorboard-log-interval
+    tensorboard_queue_size: int = 1000       # --tensorboard-queue-size
+    log_loss_scale: bool = True              # not --no-log-loss-scale-to-tensorboard
+    log_validation_ppl: bool = False         # --log-validation-ppl-to-tensorboard
+    log_world_size: bool = False             # --log-world-size-to-tensorboard
+    log_memory: bool = False                 # --log-memory-to-tensorboard (CUDA)
     # --profile --use-pytorch-profiler: torch.profiler over iterations profile_start + 1 ..
     # profile_end (--profile-step-start/end) on --profile-ranks (empty: every rank)
     profile: bool = False

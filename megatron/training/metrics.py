@@ -35,11 +35,11 @@ class MetricsFile:
 
 
 class Tensorboard:
-    def __init__(self, log_dir: str | None) -> None:
+    def __init__(self, log_dir: str | None, queue_size: int = 1000) -> None:
         self._w = None
         if log_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self._w = SummaryWriter(log_dir=log_dir)
+            self._w = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
     def scalars(self, step: int, **values: float) -> None:
         if self._w:
@@ -62,13 +62,15 @@ class Tensorboard:
 def iteration_line(*, iteration: int, train_iters: int, consumed: int, elapsed_ms: float, lr: float,
                    gbs: int, loss: float, grad_norm: float | None, tokens_per_s: float,
                    skipped: int, tflops_per_gpu: float | None = None,
-                   num_zeros: float | None = None) -> str:
+                   num_zeros: float | None = None, params_norm: float | None = None) -> str:
     """The line Megatron-LM's training_log prints, with throughput in tokens/s (and, with
     --log-throughput, the model's TFLOP/s per GPU)."""
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
     if num_zeros is not None:
         norm += f" num zeros: {num_zeros:.0f} |"
+    if params_norm is not None:
+        norm += f" params norm: {params_norm:.3f} |"
     flops = (f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |"
              if tflops_per_gpu is not None else "")
     return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"

@@ -43,7 +43,8 @@ class Reporter:
 
     def __post_init__(self) -> None:
         self.metrics = MetricsFile(self.logging.metrics_file)
-        self.tb = Tensorboard(self.logging.tensorboard_dir if self.lead else None)
+        self.tb = Tensorboard(self.logging.tensorboard_dir if self.lead else None,
+                              self.logging.tensorboard_queue_size)
 
     # ---- lines -------------------------------------------------------------------------------
     def line(self, text: str) -> None:
@@ -86,7 +87,8 @@ class Reporter:
             self.metrics.write("iteration", **self.last_record)
 
     def iteration(self, it: int, res, ms: float, consumed: int, plan: ExecutionPlan,
-                  strategy: str, lr: float, timers_text) -> None:
+                  strategy: str, lr: float, timers_text, loss_scale: float = 1.0,
+                  params_norm: float | None = None) -> None:
         self.skipped += 0 if res.update_successful else 1
         self.losses.append(res.loss)
         self.times.append(ms)
@@ -101,16 +103,22 @@ class Reporter:
                                 strategy=strategy)
         if self.lead:
             self.metrics.write("iteration", **self.last_record)
-        self.tb.scalars(it, **{"lm loss": res.loss, "learning-rate": lr,
-                               "grad-norm": res.grad_norm, "iteration-time": ms / 1e3,
-                               "tokens-per-second": tokens_per_s, "throughput": tflops,
-                               "num-zeros": res.num_zeros})
+        log = self.logging
+        if it % log.tensorboard_log_interval == 0:
+            self.tb.scalars(it, **{
+                "lm loss": res.loss, "learning-rate": lr, "batch-size": plan.global_batch_size,
+                "grad-norm": res.grad_norm, "iteration-time": ms / 1e3,
+                "tokens-per-second": tokens_per_s, "throughput": tflops,
+                "num-zeros": res.num_zeros, "params-norm": params_norm,
+                "loss-scale": loss_scale if log.log_loss_scale else None,
+                "world-size": plan.world_size if log.log_world_size else None,
+                **(cuda_memory() if log.log_memory else {})})
         if it % self.logging.log_interval == 0:
             self.line(iteration_line(
                 iteration=it, train_iters=self.train_iters, consumed=consumed, elapsed_ms=ms, lr=lr,
                 gbs=plan.global_batch_size, loss=res.loss, grad_norm=res.grad_norm,
                 tokens_per_s=tokens_per_s, skipped=self.skipped, tflops_per_gpu=tflops,
-                num_zeros=res.num_zeros))
+                num_zeros=res.num_zeros, params_norm=params_norm))
             text = timers_text()
             if text:
                 self.line(text.rstrip())
@@ -121,7 +129,9 @@ class Reporter:
     def validation(self, it: int, loss: float) -> None:
         self.line(f" validation loss at iteration {it} | lm loss value: {loss:.6E} |"
                   f" lm loss PPL: {math.exp(min(loss, 20)):.6E} |")
-        self.tb.scalars(it, **{"lm loss validation": loss})
+        self.tb.scalars(it, **{"lm loss validation": loss, "lm loss validation ppl":
+                               math.exp(min(loss, 20)) if self.logging.log_validation_ppl
+                               else None})
         if self.lead:
             self.metrics.write("validation", iteration=it, loss=loss)
 
@@ -350,6 +360,16 @@ class Reporter:
             self.bar = None
         self.metrics.close()
         self.tb.close()
+
+
+def cuda_memory() -> dict[str, float]:
+    """--log-memory-to-tensorboard: Megatron-LM's four figures of CUDA's caching allocator."""
+    import torch
+    stats = torch.cuda.memory_stats()
+    return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
+            "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+            "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+            "mem-allocated-count": stats["allocation.all.current"]}
 
 
 def schedule_line(schedule) -> str:

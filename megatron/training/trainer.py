@@ -39,7 +39,8 @@ from chameleon_ext.planning.decision import Decision
 from chameleon_ext.planning.perf_model import ModelShape, Profile, ProfileError, predict_plan
 from chameleon_ext.planning.strategies import redundancy
 from chameleon_ext.schedule.ir import COMPUTE
-from megatron.elastic import cpu_compat, memory_meter, runtime, sharded_state, state_transfer
+from megatron.elastic import (cpu_compat, memory_meter, optimizer_step, runtime, sharded_state,
+                              state_transfer)
 from megatron.elastic.calibration import LiveCalibration
 from megatron.elastic.emulation import Emulation
 from megatron.elastic.manager import (PHASE_OF, Admission, DisabledManager, ElasticManager,
@@ -47,7 +48,7 @@ from megatron.elastic.manager import (PHASE_OF, Admission, DisabledManager, Elas
                                       PlannedSwitch, Spare, Unrecoverable)
 from megatron.elastic.schedules import SHADOW_SYNC, ComputeClock, StepHooks
 from megatron.training import checkpointing, planning
-from megatron.training.config import JobConfig, ModelConfig, ParallelConfig
+from megatron.training.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron.training.data import DataError, MicroBatchLoader
 from megatron.training.exit_conditions import ExitConditions, ExitVerdict
 from megatron.training.metrics import Stopwatch
@@ -102,7 +103,7 @@ class Trainer:
         # Calibration reads the executor's per-op timers (level 2) whether or not they are
         # logged.
         self.timers = Timers(max(log.timing_log_level, 2) if elastic.enabled
-                             else log.timing_log_level, "minmax")
+                             else log.timing_log_level, log.timing_log_option)
         compute_clock = ComputeClock()
         shape = planning.model_shape(config.model, config.training.micro_batch_size)
         # How this job holds its optimizer state, for every profile it plans or emulates with.
@@ -174,9 +175,7 @@ class Trainer:
             config=transformer_config, model_provider=lambda cfg, pre, post, pgs: providers.model(
                 config.model, cfg, pre, post, pgs),
             optimizer_config=optimizer_config,
-            sched=runtime.SchedulerSettings(training.lr, training.min_lr,
-                                            *training.schedule_samples(),
-                                            training.lr_decay_style, training.weight_decay),
+            sched=scheduler_settings(training),
             seed=training.seed, tied_embeddings=self.tied, seq_length=config.model.seq_length,
             get_batch=self.train_loader.get, forward_step=providers.forward_step,
             loss_func=providers.loss_func,
@@ -194,7 +193,7 @@ class Trainer:
             data_parallel=runtime.DataParallel(
                 config.parallel.distributed_optimizer, config.parallel.optimizer_instances,
                 config.parallel.overlap_grad_reduce, config.parallel.overlap_param_gather,
-                elastic.shard_redundancy == "buddy"))
+                elastic.shard_redundancy == "buddy", config.parallel.ddp_bucket_size))
         # What a checkpoint must match to be loaded, and how long its collectives may wait.
         self.model_meta = {"num_layers": config.model.num_layers,
                            "hidden_size": config.model.hidden_size,
@@ -348,12 +347,32 @@ class Trainer:
         log = self.config.logging
         if log.log_timers_to_tensorboard and it % log.log_interval == 0:
             self.reporter.tb.timers(self.timers, list(_OP_TIMERS), it, log.log_interval)
+        params_norm, failure = None, None
+        if log.log_params_norm and (it % log.log_interval == 0
+                                    or it % log.tensorboard_log_interval == 0):
+            try:
+                params_norm = self._params_norm()
+            except StepFailure as f:
+                failure = f   # after this iteration's record: its step was applied everywhere
         self.reporter.iteration(
             it, res, ms, self.consumed, self.plan, self.strategy,
             _logged_lr(self.built.runtime.optimizer.param_groups),
             lambda: self.timers.get_all_timers_string(list(_OP_TIMERS),
                                                       normalizer=log.log_interval)
-            if log.timing_log_level > 0 else "")
+            if log.timing_log_level > 0 else "",
+            float(self.built.runtime.optimizer.get_loss_scale()), params_norm)
+        if failure is not None:
+            raise failure
+
+    def _params_norm(self) -> float:
+        """--log-params-norm: the norm of the parameters as just stepped, an all-reduce of each
+        rank's part over the world at the iteration's boundary (a peer lost in it is a failure
+        of the next iteration, as in an evaluation)."""
+        with self._boundary("between-iterations"):
+            part = torch.tensor([optimizer_step.params_norm_part(
+                self.built.runtime.optimizer)], dtype=torch.float64)
+            dist.all_reduce(part)
+        return math.sqrt(float(part))
 
     def _actions_after(self, it: int) -> list[str]:
         ckpt = self.config.checkpoint
@@ -776,6 +795,15 @@ def _initialize_distributed(parallel: ParallelConfig,
         return manager.initialize_world(parallel.distributed_timeout_s)
     except PeerLost as e:
         raise JobError(f"a rank was lost while the job started: {e}") from None
+
+
+def scheduler_settings(training: TrainingConfig) -> runtime.SchedulerSettings:
+    """The LR and weight-decay schedule of the flags, in samples as megatron-core counts."""
+    return runtime.SchedulerSettings(
+        training.lr, training.min_lr, *training.schedule_samples(), training.lr_decay_style,
+        training.start_weight_decay, training.end_weight_decay, training.wd_incr_samples,
+        training.weight_decay_incr_style, training.wsd_samples, training.lr_wsd_decay_style,
+        override=training.override_schedule, use_checkpoint=training.checkpoint_schedule)
 
 
 def _logged_lr(param_groups: list[dict]) -> float:

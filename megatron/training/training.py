@@ -109,6 +109,9 @@ def transformer_config(model: ModelConfig, tensor_parallel: int,
         calculate_per_token_loss=True,  # gradients are summed over replicas, never averaged
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False,
+        cross_entropy_loss_fusion=model.cross_entropy_fusion is not None,
+        cross_entropy_fusion_impl=model.cross_entropy_fusion or "native",
+        deterministic_mode=model.deterministic,
     )
 
 
@@ -122,7 +125,14 @@ def optimizer_config(training: TrainingConfig, model: ModelConfig):
         # megatron-core gives the parameters marked is_embedding_or_output_parameter (the word
         # embeddings, the output layer) a param group of their own schedule
         decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
-        params_dtype=torch.float32, use_distributed_optimizer=False)
+        params_dtype=torch.float32, use_distributed_optimizer=False,
+        **{name: getattr(training, name) for name in _LOSS_SCALING
+           if getattr(training, name) is not None})
+
+
+# --fp16's loss-scaling flags, megatron-core's OptimizerConfig fields of the same names
+_LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                 "hysteresis")
 
 
 def make_plan(config: JobConfig) -> ExecutionPlan:
@@ -189,6 +199,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step, l
         _fail(f"megatron-core refuses the model flags: {_first_line(e)}")
     except MembershipError as e:    # the launcher's store is unreachable
         _fail(str(e), code=1)
+    if config.model.deterministic:
+        torch.use_deterministic_algorithms(True)
     if config.elastic.enabled and not ElasticManager.available():
         _fail("--chameleon needs the job to run under chameleon-launch (no CHAMELEON_STORE)")
     # What only the plan and the tokenizer know: a --chameleon-plan's batch, the padded vocabulary.

@@ -5,6 +5,7 @@ saved whole under the plain optimizer's keys, resumes under data parallel 3 (and
 with the same losses."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -22,7 +23,7 @@ def common(data: str, pp: int = 2) -> list[str]:
                           "--pipeline-model-parallel-size", str(pp), "--train-iters", str(ITERS),
                           "--lr-decay-iters", str(ITERS), "--lr", "3e-3",
                           "--lr-warmup-iters", "2", "--data-path", data, "--split", "100,0,0",
-                          "--log-interval", "4"]
+                          "--log-interval", "4", "--log-params-norm"]
 
 
 def optimizer_bytes(run) -> dict[int, int]:
@@ -55,9 +56,16 @@ def assert_shards(run, plain, parts: int) -> None:
         assert abs(mine[r] * parts / whole[r] - 1) < 0.01, (r, mine[r], whole[r])
 
 
+def params_norms(run) -> list[float]:
+    return [float(n) for n in re.findall(r"params norm: ([\d.]+) \|", run.stdout)]
+
+
 def test_sharded_optimizer_with_overlaps_matches_the_plain_one(plain, overlapped):
+    """... and so does the parameters' norm, each rank's shard counted once."""
     run, _ = overlapped
     assert_close(run.losses(), plain.losses())
+    assert len(params_norms(plain)) == 2
+    assert_close(params_norms(run), params_norms(plain), rel=1e-4)
     assert_shards(run, plain, 4)
     assert "of it optimizer state" in run.stdout
 

@@ -5,7 +5,8 @@ parallel 2 (alone and in TP 2 x PP 2 x DP 2) and plans whose unit is the TP grou
 micro-batches hosted by another pipeline's TP group, a pipeline with one stage fewer), with
 dropout on: initial weights and dropout masks do not depend on the TP size. Every layout logs
 the gradient's zero entries (--log-num-zeros-in-grad; here a handful of exact zeros that
-rounding makes, so their count is the summation order's)."""
+rounding makes, so their count is the summation order's) and the parameters' norm
+(--log-params-norm, each parameter counted once over the world: one process's norm)."""
 
 import json
 import re
@@ -21,12 +22,17 @@ def common(data: str) -> list[str]:
     return SMALL_MODEL + ["--global-batch-size", "16", "--train-iters", "10",
                           "--lr-decay-iters", "10", "--lr", "3e-3", "--lr-warmup-iters", "2",
                           "--data-path", data, "--split", "100,0,0", "--log-interval", "5",
-                          "--log-num-zeros-in-grad"]
+                          "--log-num-zeros-in-grad", "--log-params-norm"]
 
 
 def zeros(run) -> list[int]:
     """The gradient's zero entries of each logged iteration."""
     return [int(n) for n in re.findall(r"num zeros: (\d+) \|", run.stdout)]
+
+
+def params_norms(run) -> list[float]:
+    """The parameters' norm of each logged iteration."""
+    return [float(n) for n in re.findall(r"params norm: ([\d.]+) \|", run.stdout)]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +54,8 @@ def test_pipeline_layouts_match_single_process(single, small_data, tmp_path, pp)
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert_close(run.losses(), single.losses())
     assert len(zeros(run)) == len(zeros(single)) == 2
+    assert len(params_norms(single)) == 2 and params_norms(single)[0] > 0
+    assert_close(params_norms(run), params_norms(single), rel=1e-4)   # printed to 3 decimals
     consumed = [e["consumed_samples"] for e in run.metrics if e["event"] == "iteration"]
     assert consumed == [16 * i for i in range(1, 11)]
     assert all(e["world"] == 4 for e in run.metrics if e["event"] == "iteration")
@@ -138,6 +146,7 @@ def test_tensor_parallel_layouts_match_single_process(single, small_data, tmp_pa
     assert ("sequence parallel" in run.stdout) == bool(extra)
     assert_close(run.losses(), single.losses())
     assert len(zeros(run)) == 2
+    assert_close(params_norms(run), params_norms(single), rel=1e-4)
 
 
 def tp2_plan(path, pipelines: list[dict]):

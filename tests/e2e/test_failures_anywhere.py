@@ -127,13 +127,14 @@ def _random_kill(seed: int) -> dict:
 def test_a_kill_from_outside_at_a_random_instant(references, small_data, tmp_path, seed):
     """tools/inject_failure.py SIGKILLs a random rank of pipeline 2 x data 3 a random delay
     after it works past a random iteration, with checkpoints every 2 to 5 iterations (so some
-    kills land in a save), under auto. (tests/e2e/test_sharded_recovery.py kills at 2 more
+    kills land in a save) and the parameters' norm all-reduced after every step
+    (--log-params-norm), under auto. (tests/e2e/test_sharded_recovery.py kills at 2 more
     random instants, with the distributed optimizer and both overlaps.)"""
     case = _random_kill(seed)
     port = free_port()
     kill = LateKill(port, case["rank"], case["after"], case["delay_ms"]).start()
     run = run_chameleon(6, common(small_data, 3) + [
-        "--chameleon", "--save", str(tmp_path / "ckpt"),
+        "--chameleon", "--save", str(tmp_path / "ckpt"), "--log-params-norm",
         "--save-interval", str(case["save_interval"])], tmp_path, name=f"chaos{seed}",
         launcher_args=["--master-port", str(port)])
     kill.join()

@@ -2,6 +2,8 @@
 or refused with one line naming it; checked in-process on the parser (the end-to-end runs are
 in tests/e2e/test_megatron_recipes.py)."""
 
+import math
+
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_config
@@ -137,14 +139,44 @@ def test_data_checkpoint_and_logging_flags():
      "--swiglu's default --ffn-hidden-size is 0"),
     (["--exit-interval", "0"], "--exit-interval must be positive"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
-    (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion: the vocab-parallel"),
+    (["--cross-entropy-fusion-impl", "native"],
+     "--cross-entropy-fusion-impl goes with --cross-entropy-loss-fusion"),
+    (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],
+     "--cross-entropy-fusion-impl te needs transformer-engine and CUDA"),
+    (["--use-legacy-models"], "--use-legacy-models: the legacy models are gone"),
+    (["--rerun-mode", "validate_results"], "--rerun-mode: only disabled"),
+    (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer: the optimizer keeps"),
+    (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype: only fp32"),
+    (["--main-grads-dtype", "bf16"], "--main-grads-dtype: only fp32"),
+    (["--ddp-average-in-collective"], "--ddp-average-in-collective: gradients are summed"),
+    (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be at least 1"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2: FSDP is not supported"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap: transformer-engine's userbuffers"),
+    (["--delay-wgrad-compute"], "--delay-wgrad-compute: transformer-engine's delayed"),
+    (["--initial-loss-scale", "65536"], "--initial-loss-scale go(es) with --fp16"),
+    (["--log-memory-to-tensorboard", "--tensorboard-dir", "tb"],
+     "--log-memory-to-tensorboard logs CUDA's allocator statistics: it needs CUDA"),
+    (["--log-world-size-to-tensorboard"],
+     "--log-world-size-to-tensorboard go(es) with --tensorboard-dir"),
+    (["--tensorboard-dir", "tb", "--tensorboard-log-interval", "0"],
+     "--tensorboard-log-interval must be at least 1"),
+    (["--lr-wsd-decay-iters", "4"], "--lr-wsd-decay-iters go(es) with --lr-decay-style WSD"),
+    (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters N >= 1"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "8"],
+     "--lr-wsd-decay-samples goes with --train-samples; use --lr-wsd-decay-iters"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "30"],
+     "--lr-wsd-decay-iters: the annealing phase is longer than the decay span"),
+    (["--start-weight-decay", "0.1"], "go with --weight-decay-incr-style linear|cosine"),
+    (["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.2",
+      "--end-weight-decay", "0.1"], "needs --start-weight-decay and --end-weight-decay, 0 <="),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"],
+     "exclude each other"),
     (["--profile"], "--profile: only with --use-pytorch-profiler"),
     (["--profile", "--use-pytorch-profiler"], "--use-pytorch-profiler needs --tensorboard-dir"),
     (["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb",
       "--profile-step-start", "3", "--profile-step-end", "3"],
      "--profile needs 0 <= --profile-step-start < --profile-step-end"),
     (["--wandb-project", "p"], "--wandb-project: wandb is not installed"),
-    (["--log-params-norm"], "--log-params-norm: not logged: Megatron-LM's norm of the stepped"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
     (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"],
      "--reset-attention-mask needs the loader's attention mask"),
@@ -280,7 +312,8 @@ def test_decoupled_lr_gives_the_embeddings_and_output_layer_their_own_schedule()
 
 
 def test_the_fusion_flags_hold_as_given():
-    """Megatron-LM's recipes switch fusions off; here every one is off already."""
+    """Megatron-LM's recipes switch fusions off; here every one but the cross entropy's
+    (--cross-entropy-loss-fusion) is off already."""
     from megatron.training.training import transformer_config
     flags = ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
              "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
@@ -391,3 +424,156 @@ def test_num_zeros_counts_the_gradients_of_the_norm():
     parts = optimizer_step.prepare(Optimizer(), count_zeros=True)
     assert (parts.norm_sq, parts.zeros) == (25.0, 3.0)
     assert optimizer_step.prepare(Optimizer()).zeros == 0.0
+
+
+def schedule_of(*flags: str):
+    """The LR and weight decay megatron-core's scheduler gives each of the job's iterations
+    (8 samples each: --global-batch-size 8)."""
+    import torch
+
+    from megatron.elastic.runtime import make_scheduler
+    from megatron.training.trainer import scheduler_settings
+    training = config("--global-batch-size", "8", "--train-iters", "10", "--lr", "1.0",
+                      "--min-lr", "0.1", *flags).training
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    sched = make_scheduler(opt, scheduler_settings(training))
+    out = []
+    for _ in range(training.train_iters):
+        sched.step(increment=training.global_batch_size)
+        out.append((round(opt.param_groups[0]["lr"], 6),
+                    round(opt.param_groups[0]["weight_decay"], 6)))
+    return out
+
+
+def test_wsd_and_the_weight_decay_increment_follow_megatron_lms_schedule():
+    """WSD: the LR stays at --lr until the annealing phase (the last --lr-wsd-decay-iters of
+    the decay span), then goes linearly to --min-lr; the weight decay goes linearly from
+    --start-weight-decay to --end-weight-decay over the training span."""
+    steps = schedule_of("--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear",
+                        "--lr-wsd-decay-iters", "4", "--weight-decay-incr-style", "linear",
+                        "--start-weight-decay", "0.0", "--end-weight-decay", "0.1")
+    assert [lr for lr, _ in steps] == [1.0] * 6 + [0.775, 0.55, 0.325, 0.1]
+    assert [wd for _, wd in steps] == pytest.approx([0.01 * i for i in range(1, 11)])
+    samples = config("--global-batch-size", "8", "--train-samples", "80", "--lr-decay-samples",
+                     "64", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "32",
+                     "--weight-decay-incr-style", "cosine", "--start-weight-decay", "0",
+                     "--end-weight-decay", "0.1").training
+    assert (samples.wsd_samples, samples.schedule_samples()[1], samples.wd_incr_samples) == \
+        (32, 64, 80)
+    constant = schedule_of("--weight-decay", "0.05")
+    assert {wd for _, wd in constant} == {0.05}
+
+
+def test_the_loss_scaling_and_fusion_flags_reach_megatron_core(monkeypatch):
+    from megatron.training import arguments
+    from megatron.training.training import optimizer_config, transformer_config
+    job = config("--cross-entropy-loss-fusion", "--deterministic-mode", "--ddp-bucket-size",
+                 "1000", "--timing-log-option", "all", "--tensorboard-dir", "tb",
+                 "--tensorboard-log-interval", "5", "--tensorboard-queue-size", "1",
+                 "--log-world-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                 "--no-log-loss-scale-to-tensorboard", "--rerun-mode", "disabled")
+    tc = transformer_config(job.model, 1)
+    assert (tc.cross_entropy_loss_fusion, tc.cross_entropy_fusion_impl,
+            tc.deterministic_mode) == (True, "native", True)
+    assert job.parallel.ddp_bucket_size == 1000
+    log = job.logging
+    assert (log.timing_log_option, log.tensorboard_log_interval, log.tensorboard_queue_size,
+            log.log_world_size, log.log_validation_ppl, log.log_loss_scale) == \
+        ("all", 5, 1, True, True, False)
+    monkeypatch.setattr(arguments, "_cuda_available", lambda: True)   # --fp16 needs CUDA
+    fp16 = config("--fp16", "--initial-loss-scale", "65536", "--min-loss-scale", "2",
+                  "--loss-scale-window", "100", "--hysteresis", "3").training
+    oc = optimizer_config(fp16, config().model)
+    assert (oc.initial_loss_scale, oc.min_loss_scale, oc.loss_scale_window, oc.hysteresis) == \
+        (65536, 2, 100, 3)
+
+
+def test_a_checkpoints_schedule_must_match_the_flags_unless_told_which_wins():
+    """Megatron-LM's default: resuming with another LR schedule is an error naming both ways
+    out; --override-opt_param-scheduler takes the flags', --use-checkpoint-opt_param-scheduler
+    the checkpoint's."""
+    import torch
+
+    from megatron.elastic.runtime import make_scheduler
+    from megatron.training.checkpointing import schedule_mismatch
+    from megatron.training.trainer import scheduler_settings
+
+    def scheduler(*flags: str):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+        return make_scheduler(opt, scheduler_settings(config(*flags).training))
+
+    saved = scheduler("--lr", "0.01").state_dict()
+    assert schedule_mismatch(scheduler("--lr", "0.01"), saved) is None
+    line = schedule_mismatch(scheduler("--lr", "0.02"), saved)
+    assert line.startswith("its learning rate is 0.01, the flags give 0.02: pass "
+                           "--override-opt_param-scheduler")
+    assert schedule_mismatch(scheduler("--lr", "0.02", "--train-iters", "40"), saved)
+    assert schedule_mismatch(scheduler("--lr", "0.02", "--override-opt_param-scheduler"),
+                             saved) is None
+    kept = scheduler("--lr", "0.02", "--use-checkpoint-opt_param-scheduler")
+    assert schedule_mismatch(kept, saved) is None
+    kept.load_state_dict(saved)
+    assert kept.max_lr == 0.01
+
+
+def test_the_fused_cross_entropy_gives_the_unfused_losses_and_bf16_gradients():
+    """--cross-entropy-loss-fusion: megatron-core's native fused kernel (compiled at its first
+    call) gives the unfused per-token losses; its gradient comes back in bf16, as the kernel
+    returns it for the bf16 training it is written for."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from tools import profile_model
+    owned = profile_model._setup_megatron(torch, cuda=False)
+    try:
+        logits = torch.randn(16, 2, 128, generator=torch.Generator().manual_seed(0))
+        labels = torch.randint(0, 128, (16, 2), generator=torch.Generator().manual_seed(1))
+        out = []
+        for loss_of in (lambda x: vocab_parallel_cross_entropy(x, labels),
+                        lambda x: fused_vocab_parallel_cross_entropy(
+                            x, labels, parallel_state.get_tensor_model_parallel_group())):
+            x = logits.clone().requires_grad_(True)
+            loss = loss_of(x)
+            loss.sum().backward()
+            out.append((loss.detach(), x.grad))
+    finally:
+        profile_model._teardown_megatron(owned)
+    (plain, plain_grad), (fused, fused_grad) = out
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_grad, plain_grad.to(torch.bfloat16).float(), rtol=1e-2,
+                               atol=1e-6)
+    assert not torch.equal(fused_grad, plain_grad)
+
+
+def test_tensorboard_gets_megatron_lms_scalars_at_its_interval(tmp_path, capsys):
+    """--tensorboard-log-interval 2 writes iterations 2 and 4; --log-world-size-to-tensorboard
+    the world's size (it changes with losses and rejoins); --log-validation-ppl-to-tensorboard
+    the perplexity; --no-log-loss-scale-to-tensorboard no loss scale; --log-params-norm's norm
+    goes to the iteration line and to tensorboard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from chameleon_ext.plan.execution_plan import ExecutionPlan
+    from megatron.elastic.schedules import StepResult
+    from megatron.training.reporting import Reporter
+    log = config("--tensorboard-dir", str(tmp_path), "--tensorboard-log-interval", "2",
+                 "--log-world-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                 "--no-log-loss-scale-to-tensorboard", "--log-params-norm",
+                 "--no-progress-bar").logging
+    reporter = Reporter(log, train_iters=4, seq_length=32, lead=True)
+    plan = ExecutionPlan.failure_free(2, 1, 1, 4, 2, 4)
+    for it in range(1, 5):
+        reporter.iteration(it, StepResult(2.0, 1.0, True, 4), 100.0, 4 * it, plan, "auto",
+                           1e-3, lambda: "", loss_scale=1.0, params_norm=12.5)
+    reporter.validation(4, math.log(8.0))
+    reporter.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert [e.step for e in events.Scalars("world-size")] == [2, 4]
+    assert {e.value for e in events.Scalars("world-size")} == {2}
+    assert [e.value for e in events.Scalars("params-norm")] == [12.5, 12.5]
+    assert events.Scalars("lm loss validation ppl")[0].value == pytest.approx(8.0)
+    assert "loss-scale" not in tags and "batch-size" in tags
+    assert capsys.readouterr().out.count(" params norm: 12.500 |") == 4
