@@ -70,10 +70,11 @@ def train_valid_test_datasets_provider(job: JobConfig, tokenizer):
         seq_length=job.model.seq_length, seed=training.seed, tokenizer=tokenizer,
         train_samples=training.train_iters * gbs,
         # the same batches each time
-        valid_samples=training.eval_iters * gbs if training.eval_interval else 0,
+        valid_samples=training.eval_iters * gbs if training.evaluates else 0,
         test_samples=0, data_cache_path=data.cache_path, eod_mask_loss=data.eod_mask_loss,
         reset_position_ids=data.reset_position_ids,
-        reset_attention_mask=data.reset_attention_mask, mmap_bin_files=data.mmap_bin_files)
+        reset_attention_mask=data.reset_attention_mask, mmap_bin_files=data.mmap_bin_files,
+        builder_threads=data.builder_threads)
 
 
 if __name__ == "__main__":

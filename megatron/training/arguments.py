@@ -116,8 +116,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="norm weights stored centred on 0, scaling by 1 + weight")
 
     g = p.add_argument_group(
-        "fusions", "megatron-core's fused kernels are not used here (every fusion is off), so "
-        "each of these holds as given")
+        "fusions", "megatron-core's fused kernels are not used here (every fusion but "
+        "--cross-entropy-loss-fusion is off), so each of these holds as given")
     for flag, what in (("masked-softmax", "scaling, masking and softmax"),
                        ("bias-gelu", "bias and GELU"), ("bias-swiglu", "bias and SwiGLU"),
                        ("bias-dropout", "bias, dropout and residual add"),
@@ -125,6 +125,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                        ("gradient-accumulation", "weight-gradient accumulation")):
         g.add_argument(f"--no-{flag}-fusion", action="store_true",
                        help=f"unfused {what}")
+    g.add_argument("--no-persist-layer-norm", action="store_true",
+                   help="apex's persistent layer-norm kernel is not used")
 
     g = p.add_argument_group("moe", "mixture of experts (expert parallel 1)")
     g.add_argument("--num-experts", type=int, default=None,
@@ -223,6 +225,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
                    help="1 or 2: release the CUDA caching allocator's unused blocks after each "
                         "step (nothing to release on CPU)")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations: every copy of every parameter and its optimizer "
+                        "state must be bit-identical, else the job stops")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="the loss is the mean over the global batch's tokens (default: the mean "
                         "of each micro-batch's token mean)")
@@ -243,6 +248,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                         "--no-check-for-nan-in-loss-and-grad)")
     g.add_argument("--use-legacy-models", action="store_true",
                    help="refused: megatron-core models only")
+    for flag in ("--log-straggler", "--log-energy", "--record-memory-history", "--test-mode",
+                 "--full-validation", "--ckpt-assume-constant-structure"):
+        g.add_argument(flag, action="store_true", help="refused")
     g.add_argument("--profile", action="store_true",
                    help="with --use-pytorch-profiler: torch.profiler over iterations "
                         "--profile-step-start + 1 to --profile-step-end (nsys's capture range "
@@ -392,6 +400,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="positions restart after each end-of-document token")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="no attention across end-of-document tokens")
+    g.add_argument("--num-dataset-builder-threads", type=int, default=1,
+                   help="threads megatron-core's dataset builder builds the datasets with")
     g.add_argument("--num-workers", type=int, default=2,
                    help="threads that read each micro-batch's samples")
     g.add_argument("--no-mmap-bin-files", action="store_true",
@@ -420,6 +430,11 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="load the parameters only and start at iteration 0")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model's shape from the --load checkpoint")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep only the latest checkpoint and those of iterations divisible by "
+                        "this (a multiple of --save-interval)")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="refused: every checkpoint is a persistent one")
     g.add_argument("--async-save", action="store_true",
                    help="refused: saves are synchronous (a recovery needs a complete one)")
 
@@ -427,6 +442,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=2)
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training: evaluate the loaded model (--load) on the validation "
+                        "split once and exit")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-log-interval", type=int, default=None,
                    help="iterations between tensorboard writes (default 1)")
@@ -673,7 +691,9 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             empty_unused_memory_level=args.empty_unused_memory_level,
             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
             check_for_nan=args.check_for_nan_in_loss_and_grad,
-            per_token_loss=args.calculate_per_token_loss),
+            per_token_loss=args.calculate_per_token_loss,
+            check_replicas_interval=args.check_weight_hash_across_dp_replicas_interval,
+            skip_train=args.skip_train),
         logging=LoggingConfig(
             log_interval=args.log_interval, timing_log_level=args.timing_log_level,
             tensorboard_dir=args.tensorboard_dir, progress_bar=not args.no_progress_bar,
@@ -700,11 +720,13 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
             reset_attention_mask=args.reset_attention_mask, num_workers=args.num_workers,
             mmap_bin_files=not args.no_mmap_bin_files,
-            dataloader_type=args.dataloader_type),
+            dataloader_type=args.dataloader_type,
+            builder_threads=args.num_dataset_builder_threads),
         checkpoint=CheckpointConfig(save=args.save, load=args.load,
                                     save_interval=args.save_interval,
                                     load_optim=not (args.no_load_optim or args.finetune),
-                                    finetune=args.finetune),
+                                    finetune=args.finetune,
+                                    retain_interval=args.save_retain_interval),
         elastic=ElasticConfig(
             enabled=args.chameleon, strategy=args.chameleon_strategy,
             redundancy=args.chameleon_redundancy, mtbf_hours=args.chameleon_mtbf,
@@ -908,6 +930,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         value = getattr(args, name)
         need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive")
     need(args.manual_gc_interval >= 0, "--manual-gc-interval must be non-negative")
+    need(args.check_weight_hash_across_dp_replicas_interval is None
+         or args.check_weight_hash_across_dp_replicas_interval >= 1,
+         "--check-weight-hash-across-dp-replicas-interval must be at least 1")
     profiler_flags = {"--use-pytorch-profiler": args.use_pytorch_profiler,
                       "--profile-step-start": args.profile_step_start is not None,
                       "--profile-step-end": args.profile_step_end is not None,
@@ -928,6 +953,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
              "--use-pytorch-profiler needs --tensorboard-dir: the traces go beside it "
              "(<dir>/../torch_profile)")
     need(args.num_workers >= 0, "--num-workers must be non-negative")
+    need(args.num_dataset_builder_threads >= 1, "--num-dataset-builder-threads must be at least 1")
     need(not (args.no_create_attention_mask_in_dataloader and args.reset_attention_mask),
          "--reset-attention-mask needs the loader's attention mask "
          "(--no-create-attention-mask-in-dataloader refuses it)")
@@ -1037,9 +1063,16 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.save_interval is not None:
         need(args.save_interval >= 1, "--save-interval must be at least 1")
         need(args.save is not None, "--save-interval needs --save DIR")
+    if args.save_retain_interval is not None:
+        need(args.save_interval is not None and args.save_retain_interval >= 1
+             and args.save_retain_interval % args.save_interval == 0,
+             "--save-retain-interval must be a multiple of --save-interval")
     if args.eval_interval is not None:
         need(args.eval_interval >= 1 and args.eval_iters >= 1,
              "--eval-interval and --eval-iters must be at least 1")
+    if args.skip_train:
+        need(args.eval_iters >= 1, "--skip-train evaluates: --eval-iters must be at least 1")
+        need(not args.chameleon, "--skip-train trains nothing: it takes no --chameleon")
     if args.load is not None:
         need(Path(args.load).is_dir() or not Path(args.load).exists(),
              f"--load {args.load} is not a directory")
@@ -1100,8 +1133,21 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
      "NCCL user-buffer registration is not supported"),
     ("--moe-grouped-gemm", lambda a: a.moe_grouped_gemm,
      "grouped GEMM is a CUDA kernel; experts run as separate MLPs"),
+    ("--non-persistent-save-interval", lambda a: a.non_persistent_save_interval is not None,
+     "every checkpoint is written whole to --save (no local or in-memory ones)"),
     ("--async-save", lambda a: a.async_save,
      "saves are synchronous: a recovery or restart needs a complete checkpoint"),
+    ("--log-straggler", lambda a: a.log_straggler,
+     "the straggler detector needs CUDA's kernel timings; --chameleon's live calibration "
+     "measures each rank's ops (a slowed rank gets less rerouted work)"),
+    ("--log-energy", lambda a: a.log_energy, "needs NVML's GPU energy counters"),
+    ("--record-memory-history", lambda a: a.record_memory_history,
+     "CUDA's allocator history is not recorded"),
+    ("--test-mode", lambda a: a.test_mode, "Megatron-LM's in-run tests are not here"),
+    ("--full-validation", lambda a: a.full_validation,
+     "each evaluation takes --eval-iters batches of the validation split"),
+    ("--ckpt-assume-constant-structure", lambda a: a.ckpt_assume_constant_structure,
+     "each save plans its files anew (a recovery may change the layout between saves)"),
     ("--use-legacy-models", lambda a: a.use_legacy_models,
      "the legacy models are gone: megatron-core's GPTModel only"),
     ("--rerun-mode", lambda a: a.rerun_mode not in (None, "disabled"),

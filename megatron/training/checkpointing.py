@@ -74,9 +74,11 @@ def _state_dict(rt: StageRuntime, tied_embeddings: bool, create_missing: bool,
 
 def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, meta: dict,
          group: dist.ProcessGroup | None = None,
-         written: Callable[[], None] | None = None) -> Path:
+         written: Callable[[], None] | None = None, retain_interval: int | None = None) -> Path:
     """Collective over `group` (None: the world); `written`: called once this rank's part is
-    written, before the checkpoint is named (failure injection)."""
+    written, before the checkpoint is named (failure injection). With `retain_interval`
+    (--save-retain-interval) the checkpoint before this one is deleted once this one is named,
+    unless its iteration is a multiple of it."""
     final = _dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
@@ -97,9 +99,12 @@ def save(root: str, iteration: int, rt: StageRuntime, *, tied_embeddings: bool, 
             shutil.rmtree(final)
         tmp.rename(final)
         tracker = Path(root) / TRACKER
+        before = latest_iteration(root) if retain_interval else None
         t = tracker.with_suffix(".tmp")
         t.write_text(str(iteration))
         t.replace(tracker)
+        if before is not None and before != iteration and before % retain_interval:
+            shutil.rmtree(_dir(root, before), ignore_errors=True)
     # No barrier after the tracker: a rank lost here cannot undo a checkpoint that is complete
     # and named, and the job's next collective finds the loss anyway.
     return final

@@ -220,6 +220,14 @@ class TrainingConfig:
     # --calculate-per-token-loss: the loss is the batch's token mean, not the mean of its
     # micro-batches' token means (they differ where --eod-mask-loss masks tokens)
     per_token_loss: bool = False
+    # --check-weight-hash-across-dp-replicas-interval: every copy of the state compared
+    check_replicas_interval: int | None = None
+    skip_train: bool = False                 # --skip-train: evaluate once, train nothing
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the job evaluates on the validation split (and so builds it)."""
+        return self.eval_interval is not None or self.skip_train
 
     @property
     def first_global_batch(self) -> int:
@@ -307,6 +315,7 @@ class DataConfig:
     num_workers: int = 2                     # --num-workers: threads reading a micro-batch
     mmap_bin_files: bool = True              # not --no-mmap-bin-files
     dataloader_type: DataloaderType = "single"   # --dataloader-type
+    builder_threads: int = 1                 # --num-dataset-builder-threads
 
 
 @dataclass(frozen=True)
@@ -318,6 +327,9 @@ class CheckpointConfig:
     save_interval: int | None = None         # --save-interval: iterations between saves
     load_optim: bool = True                  # not --no-load-optim (nor --finetune)
     finetune: bool = False                   # --finetune: parameters only, from iteration 0
+    # --save-retain-interval: a checkpoint is kept when it is the latest or its iteration is a
+    # multiple of this (None: every checkpoint is kept)
+    retain_interval: int | None = None
 
 
 @dataclass(frozen=True)

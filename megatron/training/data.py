@@ -201,7 +201,7 @@ def build_gpt_datasets(*, data_path: Optional[Sequence[str]], mock_data: bool, s
                        valid_samples: int, test_samples: int,
                        data_cache_path: Optional[str] = None, eod_mask_loss: bool = False,
                        reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                       mmap_bin_files: bool = True):
+                       mmap_bin_files: bool = True, builder_threads: int = 1):
     """(train, valid, test) GPT datasets; None for a split of weight 0, or one asked for 0
     samples that holds no documents.
 
@@ -253,7 +253,7 @@ def build_gpt_datasets(*, data_path: Optional[Sequence[str]], mock_data: bool, s
         eod_mask_loss=eod_mask_loss,
         # the causal mask is implied unless documents must not attend to each other
         create_attention_mask=reset_attention_mask,
-        mmap_bin_files=mmap_bin_files,
+        mmap_bin_files=mmap_bin_files, num_dataset_builder_threads=builder_threads,
     )
     if not mock_data:
         for prefix in blend[0]:

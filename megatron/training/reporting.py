@@ -304,17 +304,20 @@ class Reporter:
         """Every copy of every parameter and optimizer-state tensor must be bit-identical."""
         if not self.lead:
             return
-        seen: dict[str, set[str]] = {}
-        for digests in everyone:
-            for name, d in digests.items():
-                seen.setdefault(name, set()).add(d)
-        differ = sorted(n for n, ds in seen.items() if len(ds) > 1)
+        differ = differing(everyone)
+        seen = {name for digests in everyone for name in digests}
         params = sum(1 for n in seen if "#" not in n)
         self.metrics.write("replicas", parameters=params, tensors=len(seen),
                            identical=not differ, differing=differ[:10])
         self.line(f"> replicas: {params} parameters and their optimizer state ({len(seen)} "
                   "tensors), " + ("all copies bit-identical" if not differ
                                   else f"{len(differ)} DIFFER: {differ[:3]}"))
+
+    def weight_hash(self, it: int, tensors: int, differ: list[str]) -> None:
+        """--check-weight-hash-across-dp-replicas-interval's check, in the metrics file."""
+        if self.lead:
+            self.metrics.write("weight-hash", iteration=it, tensors=tensors,
+                               identical=not differ, differing=differ[:10])
 
     def summary(self, plan: ExecutionPlan, start: int) -> dict:
         times, losses = self.times, self.losses
@@ -360,6 +363,15 @@ class Reporter:
             self.bar = None
         self.metrics.close()
         self.tb.close()
+
+
+def differing(everyone: list[dict[str, str]]) -> list[str]:
+    """The names (sorted) of the tensors whose copies differ, from every rank's digests."""
+    seen: dict[str, set[str]] = {}
+    for digests in everyone:
+        for name, d in digests.items():
+            seen.setdefault(name, set()).add(d)
+    return sorted(n for n, ds in seen.items() if len(ds) > 1)
 
 
 def cuda_memory() -> dict[str, float]:

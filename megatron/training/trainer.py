@@ -53,7 +53,7 @@ from megatron.training.data import DataError, MicroBatchLoader
 from megatron.training.exit_conditions import ExitConditions, ExitVerdict
 from megatron.training.metrics import Stopwatch
 from megatron.training.profiling import StepProfiler
-from megatron.training.reporting import Reporter
+from megatron.training.reporting import Reporter, differing
 
 _OP_TIMERS = ("forward-recv", "forward-compute", "forward-send", "backward-recv",
               "backward-compute", "backward-input", "backward-weight", "backward-send",
@@ -168,8 +168,11 @@ class Trainer:
             if ramp else None)
         self.valid_loader = (MicroBatchLoader(valid_ds, plan.micro_batch_size,
                                               plan.num_micro_batches, **reading)
-                             if valid_ds is not None and config.training.eval_interval
+                             if valid_ds is not None and config.training.evaluates
                              else None)
+        if config.training.skip_train and self.valid_loader is None:
+            raise JobError("--skip-train: no validation data (give --split a validation part)",
+                           exit_code=2)
         training = config.training
         self.spec = runtime.RuntimeSpec(
             config=transformer_config, model_provider=lambda cfg, pre, post, pgs: providers.model(
@@ -212,6 +215,7 @@ class Trainer:
             "exit-check": self._check_exit, "switch": self._switch, "admit": self._admit,
             "shutting-down": self._shutting_down, "shadows": self._report_shadows,
             "memory": self._report_memory, "replicas": self._check_replicas,
+            "weight-hash": self._check_weight_hash,
             "emulation": self._report_emulation}
         self.pending: list[str] = []   # the actions due at this iteration boundary, by name
         self.finishing = False      # the final actions were scheduled
@@ -273,6 +277,10 @@ class Trainer:
                             + (", sequence parallel" if c.parallel.sequence_parallel else ""),
                             c.elastic.strategy if c.elastic.enabled else None,
                             len(self.injector.job_specs))
+        if c.training.skip_train:
+            self.reporter.line(f"> --skip-train: evaluating iteration {self.iteration}, no "
+                               "training")
+            self.pending, self.stopped = ["eval"], ExitVerdict("--skip-train")
         while True:
             failure = None
             try:
@@ -377,7 +385,8 @@ class Trainer:
     def _actions_after(self, it: int) -> list[str]:
         ckpt = self.config.checkpoint
         due = []
-        if self.valid_loader and it % self.config.training.eval_interval == 0:
+        if self.valid_loader and self.config.training.eval_interval and \
+                it % self.config.training.eval_interval == 0:
             due.append("eval")
         if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
             due.append("checkpoint")
@@ -385,6 +394,8 @@ class Trainer:
         if training.manual_gc and training.manual_gc_interval and \
                 it % training.manual_gc_interval == 0:
             due.append("gc")
+        if training.check_replicas_interval and it % training.check_replicas_interval == 0:
+            due.append("weight-hash")
         if training.exit_interval or self.exits.voting:
             due.append("exit-check")
         if self.switch is not None and it == self.switch.at_iteration:
@@ -451,7 +462,8 @@ class Trainer:
                 meta={**self.model_meta, "consumed_samples": self.consumed,
                       "plan": self.plan.to_dict(),
                       "model_args": self.config.model.shape_args()},
-                written=lambda: self.injector.maybe_fire(it, "checkpoint"))
+                written=lambda: self.injector.maybe_fire(it, "checkpoint"),
+                retain_interval=self.config.checkpoint.retain_interval)
         self.reporter.saved(it, path)
         self._collect()
         if self.calibration is not None and self.rank == 0:
@@ -583,10 +595,24 @@ class Trainer:
 
     def _check_replicas(self) -> None:
         with self._boundary("shutdown"):
-            # the distributed optimizer's last step left the other replicas' shards ungathered
-            sharded_state.gather_parameters(self.built.runtime)
-            mine = state_transfer.state_digests(self.built.runtime, self.tied)
-            self.reporter.replicas(_gather(mine))
+            self.reporter.replicas(self._digests())
+
+    def _digests(self) -> list[dict[str, str]]:
+        """Every rank's digest of each tensor of its state, by global name (collective)."""
+        # the distributed optimizer's last step left the other replicas' shards ungathered
+        sharded_state.gather_parameters(self.built.runtime)
+        return _gather(state_transfer.state_digests(self.built.runtime, self.tied))
+
+    def _check_weight_hash(self) -> None:
+        """--check-weight-hash-across-dp-replicas-interval: every rank sees every digest, so
+        all stop together where a copy differs (Megatron-LM asserts)."""
+        with self._boundary("between-iterations"):
+            everyone = self._digests()
+        differ = differing(everyone)
+        self.reporter.weight_hash(self.iteration, len(everyone[0]), differ)
+        if differ:
+            raise JobError(f"the copies of {len(differ)} tensor(s) differ across replicas after "
+                           f"iteration {self.iteration}: {', '.join(differ[:3])}")
 
     # ---- transitions -------------------------------------------------------------------------
     def _recover(self, failure: Failure) -> bool:

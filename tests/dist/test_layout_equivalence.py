@@ -49,7 +49,9 @@ def test_megatron_core_no_pipelining_matches_single_process(single, small_data, 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_layouts_match_single_process(single, small_data, tmp_path, pp):
     run = run_job(4, common(small_data) + ["--pipeline-model-parallel-size", str(pp),
-                                           "--tensorboard-dir", str(tmp_path / "tb")], tmp_path)
+                                           "--tensorboard-dir", str(tmp_path / "tb"),
+                                           "--check-weight-hash-across-dp-replicas-interval",
+                                           "5"], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert_close(run.losses(), single.losses())
@@ -59,6 +61,9 @@ def test_pipeline_layouts_match_single_process(single, small_data, tmp_path, pp)
     consumed = [e["consumed_samples"] for e in run.metrics if e["event"] == "iteration"]
     assert consumed == [16 * i for i in range(1, 11)]
     assert all(e["world"] == 4 for e in run.metrics if e["event"] == "iteration")
+    checks = [e for e in run.metrics if e["event"] == "weight-hash"]
+    assert [(e["iteration"], e["identical"]) for e in checks] == [(5, True), (10, True)]
+    assert checks[0]["tensors"] > 0
     assert "training summary: 10 iterations" in run.stdout
 
 

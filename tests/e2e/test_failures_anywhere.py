@@ -57,9 +57,14 @@ PHASES = {
 def test_a_kill_outside_the_step_computations(references, small_data, tmp_path, phase):
     run = run_chameleon(4, common(small_data, 2) + [
         "--chameleon", "--chameleon-strategy", "reroute", "--save", str(tmp_path / "ckpt"),
-        "--save-interval", "3", "--eval-interval", "4", "--eval-iters", "1",
-        "--chameleon-inject", f"kill:rank=3,{PHASES[phase]}"], tmp_path, name=phase)
+        "--save-interval", "3", "--save-retain-interval", "6", "--eval-interval", "4",
+        "--eval-iters", "1", "--chameleon-inject", f"kill:rank=3,{PHASES[phase]}"], tmp_path,
+        name=phase)
     assert_survived(run, references(2), 16)
+    # --save-retain-interval 6: of the saves at 3, 6, 9 and the final 10, the multiples of 6
+    # and the latest are kept
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == [
+        "iter_0000006", "iter_0000010"]
     failure = next(e for e in run.metrics if e["event"] == "failure")
     assert failure["ranks"] == [3]
     if phase == "checkpoint":

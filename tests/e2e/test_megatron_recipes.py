@@ -7,10 +7,12 @@ worker under --chameleon into its planned leave."""
 
 import gzip
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -274,3 +276,13 @@ def test_checkpoint_flags_of_a_finetuning_user(llama_reference, small_data, tmp_
     assert "to fine-tune from iteration 0" in tuned.stdout
     assert tuned.iterations() == list(range(1, 9))
     assert tuned.losses()[0] != pytest.approx(llama_reference[0], rel=1e-3)   # trained weights
+    # --skip-train: the checkpoint evaluated on a validation split, nothing trained or saved
+    evaluated = run_job(1, llama(small_data, pp=1) + [
+        "--load", ckpt, "--save", ckpt, "--skip-train", "--eval-iters", "1", "--split",
+        "90,10,0"], tmp_path, name="skip-train")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "> --skip-train: evaluating iteration 4, no training" in evaluated.stdout
+    assert re.search(r"validation loss at iteration 4 \| lm loss value: \S+ \|",
+                     evaluated.stdout)
+    assert evaluated.iterations() == [] and (Path(ckpt) / "latest_checkpointed_iteration.txt"
+                                             ).read_text() == "4"

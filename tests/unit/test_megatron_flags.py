@@ -171,6 +171,14 @@ def test_data_checkpoint_and_logging_flags():
       "--end-weight-decay", "0.1"], "needs --start-weight-decay and --end-weight-decay, 0 <="),
     (["--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"],
      "exclude each other"),
+    (["--save", "ck", "--save-interval", "4", "--save-retain-interval", "6"],
+     "--save-retain-interval must be a multiple of --save-interval"),
+    (["--non-persistent-save-interval", "10"], "--non-persistent-save-interval: every checkpoint"),
+    (["--log-straggler"], "--log-straggler: the straggler detector needs CUDA"),
+    (["--full-validation"], "--full-validation: each evaluation takes --eval-iters"),
+    (["--ckpt-assume-constant-structure"], "--ckpt-assume-constant-structure: each save plans"),
+    (["--num-dataset-builder-threads", "0"], "--num-dataset-builder-threads must be at least 1"),
+    (["--skip-train", "--eval-iters", "0"], "--skip-train evaluates: --eval-iters must be"),
     (["--profile"], "--profile: only with --use-pytorch-profiler"),
     (["--profile", "--use-pytorch-profiler"], "--use-pytorch-profiler needs --tensorboard-dir"),
     (["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb",
@@ -317,12 +325,12 @@ def test_the_fusion_flags_hold_as_given():
     from megatron.training.training import transformer_config
     flags = ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
              "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
-             "--accumulate-allreduce-grads-in-fp32"]
+             "--accumulate-allreduce-grads-in-fp32", "--no-persist-layer-norm"]
     for job in (config(), config(*flags)):
         tc = transformer_config(job.model, 1)
         assert not (tc.masked_softmax_fusion or tc.bias_activation_fusion or
                     tc.bias_dropout_fusion or tc.apply_rope_fusion or
-                    tc.gradient_accumulation_fusion)
+                    tc.gradient_accumulation_fusion or tc.persist_layer_norm)
         assert not job.training.grad_reduce_in_bf16         # gradients reduced in fp32
 
 
@@ -476,6 +484,7 @@ def test_the_loss_scaling_and_fusion_flags_reach_megatron_core(monkeypatch):
     assert (tc.cross_entropy_loss_fusion, tc.cross_entropy_fusion_impl,
             tc.deterministic_mode) == (True, "native", True)
     assert job.parallel.ddp_bucket_size == 1000
+    assert config("--num-dataset-builder-threads", "2").data.builder_threads == 2
     log = job.logging
     assert (log.timing_log_option, log.tensorboard_log_interval, log.tensorboard_queue_size,
             log.log_world_size, log.log_validation_ppl, log.log_loss_scale) == \
@@ -577,3 +586,13 @@ def test_tensorboard_gets_megatron_lms_scalars_at_its_interval(tmp_path, capsys)
     assert events.Scalars("lm loss validation ppl")[0].value == pytest.approx(8.0)
     assert "loss-scale" not in tags and "batch-size" in tags
     assert capsys.readouterr().out.count(" params norm: 12.500 |") == 4
+
+
+def test_replica_digests_name_the_tensors_whose_copies_differ():
+    from megatron.training.reporting import differing
+    assert differing([{"w": "a", "w#exp_avg": "b"}, {"w": "a", "w#exp_avg": "b"}]) == []
+    assert differing([{"w": "a", "v": "c"}, {"w": "x", "v": "c"}, {"v": "d"}]) == ["v", "w"]
+    assert "--check-weight-hash-across-dp-replicas-interval must be at least 1" in refusal(
+        "--check-weight-hash-across-dp-replicas-interval", "0")
+    assert config("--check-weight-hash-across-dp-replicas-interval", "5"
+                  ).training.check_replicas_interval == 5
