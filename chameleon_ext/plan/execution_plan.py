@@ -19,6 +19,10 @@ class PlanError(ValueError):
     """A plan that cannot run; the message says what is wrong."""
 
 
+def _where(at: tuple[int, int, int]) -> str:
+    return f"pipeline {at[0]} stage {at[1]}"
+
+
 def stage_bounds(num_layers: int, stages: int, first: int | None = None,
                  last: int | None = None) -> list[int]:
     """The layer boundaries [0, b1, ..., num_layers] of `stages` pipeline stages: `first` and
@@ -75,7 +79,11 @@ class Stage:
 
 @dataclass
 class Pipeline:
-    """A chain of stages that together hold every layer once, and the global micro-batches it runs."""
+    """A chain of stages that together hold every layer once, and the global micro-batches it runs.
+
+    In an interleaved pipeline (Megatron-LM's virtual pipeline stages) a rank group holds
+    several stages of its pipeline, none next to another: each of them is one of its model
+    chunks."""
 
     stages: list[Stage]
     micro_batches: list[int]
@@ -98,17 +106,22 @@ class ExecutionPlan:
     generation: int = 0
     _positions: dict[int, RankPosition] = field(default_factory=dict, init=False, repr=False,
                                                 compare=False)
+    _chunks: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False,
+                                          compare=False)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def failure_free(cls, world_size: int, tensor_parallel: int, pipeline_parallel: int,
                      num_layers: int, micro_batch_size: int, global_batch_size: int,
                      first_stage_layers: int | None = None,
-                     last_stage_layers: int | None = None) -> "ExecutionPlan":
+                     last_stage_layers: int | None = None,
+                     virtual_stages: int = 1) -> "ExecutionPlan":
         """Megatron's homogeneous layout, in its rank order (tp fastest, then dp, then pp);
         with `first_stage_layers` / `last_stage_layers` (Megatron-LM's
         --decoder-first/last-pipeline-num-layers) those stages hold that many layers and the
-        stages between split the rest evenly."""
+        stages between split the rest evenly. With `virtual_stages` V > 1 (Megatron-LM's
+        interleaved pipeline) each pipeline has V x pipeline_parallel stages, stage k held by
+        the rank group of position k mod pipeline_parallel."""
         if tensor_parallel < 1 or pipeline_parallel < 1:
             raise PlanError("tensor and pipeline parallel sizes must be at least 1")
         if world_size < 1 or micro_batch_size < 1:
@@ -119,8 +132,11 @@ class ExecutionPlan:
                 f"world size {world_size} is not divisible by tensor parallel size {tensor_parallel}"
                 f" x pipeline parallel size {pipeline_parallel}")
         dp = world_size // (tensor_parallel * pipeline_parallel)
-        bounds = stage_bounds(num_layers, pipeline_parallel, first_stage_layers,
-                              last_stage_layers)
+        if virtual_stages > 1 and (pipeline_parallel < 2 or first_stage_layers is not None
+                                   or last_stage_layers is not None):
+            raise PlanError("an interleaved pipeline needs at least 2 stages, evenly split")
+        bounds = stage_bounds(num_layers, pipeline_parallel * virtual_stages,
+                              first_stage_layers, last_stage_layers)
         if global_batch_size % (micro_batch_size * dp) != 0:
             raise PlanError(f"global batch size {global_batch_size} is not divisible by micro batch "
                             f"size {micro_batch_size} x data parallel size {dp}")
@@ -130,8 +146,9 @@ class ExecutionPlan:
         for d in range(dp):
             stages = [
                 Stage(bounds[s], bounds[s + 1],
-                      [t + tensor_parallel * (d + dp * s) for t in range(tensor_parallel)])
-                for s in range(pipeline_parallel)
+                      [t + tensor_parallel * (d + dp * (s % pipeline_parallel))
+                       for t in range(tensor_parallel)])
+                for s in range(pipeline_parallel * virtual_stages)
             ]
             pipelines.append(Pipeline(stages, list(range(d * per_pipeline, (d + 1) * per_pipeline))))
         plan = cls(num_layers, tensor_parallel, micro_batch_size, num_mb, pipelines)
@@ -158,28 +175,46 @@ class ExecutionPlan:
             raise PlanError(f"rank {rank} has no place in the plan") from None
 
     def stage_of(self, rank: int) -> Stage:
+        """The rank's stage (in an interleaved plan, its first chunk's)."""
         pos = self.position(rank)
         return self.pipelines[pos.pipeline].stages[pos.stage]
+
+    def chunks(self, rank: int) -> list[int]:
+        """The indices in its pipeline of the stages `rank` holds, ascending: one, or its model
+        chunks in an interleaved plan."""
+        self.position(rank)
+        return self._chunks[rank]
+
+    @property
+    def interleaved(self) -> bool:
+        """Some rank holds more than one stage (Megatron-LM's virtual pipeline stages)."""
+        self._index()
+        return any(len(c) > 1 for c in self._chunks.values())
 
     def pipeline_of(self, rank: int) -> Pipeline:
         return self.pipelines[self.position(rank).pipeline]
 
     def is_first_stage(self, rank: int) -> bool:
-        return self.position(rank).stage == 0
+        """Whether `rank` holds its pipeline's first stage (the embeddings)."""
+        return self.chunks(rank)[0] == 0
 
     def is_last_stage(self, rank: int) -> bool:
-        pos = self.position(rank)
-        return pos.stage == len(self.pipelines[pos.pipeline].stages) - 1
+        """Whether `rank` holds its pipeline's last stage (the output layer and the loss)."""
+        return self.chunks(rank)[-1] == len(self.pipeline_of(rank).stages) - 1
 
-    def next_rank(self, rank: int) -> int | None:
+    def next_rank(self, rank: int, stage: int | None = None) -> int | None:
+        """The rank of the same tensor-parallel shard after stage `stage` (default: the rank's
+        first) of its pipeline; None after the last."""
         pos = self.position(rank)
+        s = pos.stage if stage is None else stage
         stages = self.pipelines[pos.pipeline].stages
-        return None if pos.stage + 1 == len(stages) else stages[pos.stage + 1].ranks[pos.tp_rank]
+        return None if s + 1 == len(stages) else stages[s + 1].ranks[pos.tp_rank]
 
-    def prev_rank(self, rank: int) -> int | None:
+    def prev_rank(self, rank: int, stage: int | None = None) -> int | None:
         pos = self.position(rank)
+        s = pos.stage if stage is None else stage
         stages = self.pipelines[pos.pipeline].stages
-        return None if pos.stage == 0 else stages[pos.stage - 1].ranks[pos.tp_rank]
+        return None if s == 0 else stages[s - 1].ranks[pos.tp_rank]
 
     def path(self, microbatch: int) -> list[list[int]]:
         """The tensor-parallel rank groups a micro-batch passes through, first layer to last."""
@@ -240,10 +275,10 @@ class ExecutionPlan:
 
     # ---- tensor-parallel groups: the unit that fails and recovers ------------------------------
     def tp_groups(self) -> list[list[int]]:
-        """The ranks of each stage that has ranks (one tensor-parallel group each), ordered by
-        their lowest rank."""
-        return sorted((list(st.ranks) for p in self.pipelines for st in p.stages if st.ranks),
-                      key=min)
+        """The ranks of each stage that has ranks (one tensor-parallel group each, once however
+        many chunks it holds), ordered by their lowest rank."""
+        groups = {tuple(st.ranks) for p in self.pipelines for st in p.stages if st.ranks}
+        return sorted((list(g) for g in groups), key=min)
 
     def surviving_groups(self, lost: set[int] | list[int]) -> list[list[int]]:
         """The tensor-parallel groups none of whose ranks is in `lost`, by lowest rank."""
@@ -301,11 +336,13 @@ class ExecutionPlan:
         return self.relabelled({r: i for i, r in enumerate(self.ranks)}, self.generation + 1)
 
     def _index(self) -> dict[int, RankPosition]:
+        """Each rank's position (its first stage's) and its stages, built once."""
         if not self._positions:
             for pi, p in enumerate(self.pipelines):
                 for si, st in enumerate(p.stages):
                     for t, r in enumerate(st.ranks):
-                        self._positions[r] = RankPosition(pi, si, t)
+                        self._positions.setdefault(r, RankPosition(pi, si, t))
+                        self._chunks.setdefault(r, []).append(si)
         return self._positions
 
     # ---- validation ---------------------------------------------------------------------------
@@ -317,7 +354,7 @@ class ExecutionPlan:
             raise PlanError("tensor_parallel, micro_batch_size and num_micro_batches must be >= 1")
         if not self.pipelines:
             raise PlanError("plan has no pipelines")
-        seen: dict[int, str] = {}
+        seen: dict[int, tuple[int, int, int]] = {}
         owners: dict[int, int] = {}
         for pi, p in enumerate(self.pipelines):
             if not p.stages:
@@ -339,12 +376,12 @@ class ExecutionPlan:
                 elif len(st.ranks) != self.tensor_parallel:
                     raise PlanError(f"{where} has {len(st.ranks)} ranks, tensor parallel size is "
                                     f"{self.tensor_parallel}")
-                for r in st.ranks:
+                for t, r in enumerate(st.ranks):
                     if not isinstance(r, int) or r < 0:
                         raise PlanError(f"{where} names an invalid rank {r!r}")
-                    if r in seen:
-                        raise PlanError(f"rank {r} appears in {seen[r]} and {where}")
-                    seen[r] = where
+                    if r in seen and not self._another_chunk(seen[r], (pi, si, t)):
+                        raise PlanError(f"rank {r} appears in {_where(seen[r])} and {where}")
+                    seen[r] = (pi, si, t)
                 expect = st.layer_end
             if expect != self.num_layers:
                 raise PlanError(f"pipeline {pi} covers layers [0, {expect}), the model has "
@@ -359,6 +396,15 @@ class ExecutionPlan:
         missing = sorted(set(range(self.num_micro_batches)) - set(owners))
         if missing:
             raise PlanError(f"micro-batches {missing} are owned by no pipeline")
+
+    def _another_chunk(self, before: tuple[int, int, int], now: tuple[int, int, int]) -> bool:
+        """Whether a rank's stage `now` (pipeline, stage, tensor-parallel index) after its stage
+        `before` is a further model chunk of an interleaved pipeline: the same pipeline and
+        shard, not the next stage (a rank never sends to itself), neither stage hosted."""
+        (pb, sb, tb), (pn, sn, tn) = before, now
+        stages = self.pipelines[pn].stages
+        return (pb, tb) == (pn, tn) and sn > sb + 1 and \
+            all(not st.hosts for st in (stages[sb], stages[sn]))
 
     def _validate_hosts(self, pi: int, si: int, p: Pipeline, where: str) -> None:
         st = p.stages[si]

@@ -4,7 +4,7 @@ executes it, and the planner, which predicts it: the same op lists in both)."""
 from __future__ import annotations
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
-from chameleon_ext.schedule.ir import Schedule, one_f_one_b
+from chameleon_ext.schedule.ir import Schedule, interleaved_1f1b, one_f_one_b
 from chameleon_ext.schedule.list_scheduler import timed_list_schedule, whole_backward_bound
 from chameleon_ext.schedule.message_fusion import fuse_messages
 from chameleon_ext.schedule.simulator import UniformCosts, check, simulate
@@ -20,7 +20,11 @@ def choose_schedule(plan: ExecutionPlan, fuse: bool = True, checked: bool = True
     leaves the simulated timeline unchanged: the planner predicts without fusing, which gives
     the same iteration time. Every schedule that runs is checked (simulator.check);
     `checked=False` is for predictions only (both generators are correct by construction, and
-    the check costs seconds at 16k ranks)."""
+    the check costs seconds at 16k ranks). An interleaved plan runs Megatron-LM's interleaved
+    1F1B, which the simulator does not model (one stage per rank): it is checked by running
+    (tests/dist/test_interleaved_pipeline.py)."""
+    if plan.interleaved:
+        return interleaved_1f1b(plan)
     if not plan.rerouted:
         schedule = one_f_one_b(plan)
         if checked:

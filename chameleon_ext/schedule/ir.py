@@ -50,29 +50,48 @@ MATCHING_SEND = {OpKind.RECV_FWD: OpKind.SEND_FWD, OpKind.RECV_BWD: OpKind.SEND_
 RECV_OF = {v: k for k, v in MATCHING_SEND.items()}
 
 
+# Stages per pipeline the tags of an interleaved schedule leave room for.
+MAX_STAGES = 1024
+
+
 @dataclass(frozen=True)
 class Op:
     kind: OpKind
     microbatch: int = -1
     peer: int = -1
+    # In an interleaved plan, the stage (index in its pipeline) whose model chunk the op is
+    # for; -1 where a rank holds one stage.
+    stage: int = -1
 
     def __str__(self) -> str:
         s = self.kind.value
         if self.microbatch >= 0:
             s += f"(mb={self.microbatch}"
+            s += f", stage={self.stage}" if self.stage >= 0 else ""
             s += f", peer={self.peer})" if self.peer >= 0 else ")"
         return s
 
     def message_tag(self) -> int:
-        """The point-to-point tag: unique per (micro-batch, direction)."""
-        return 2 * self.microbatch + (0 if self.kind in (OpKind.SEND_FWD, OpKind.RECV_FWD) else 1)
+        """The point-to-point tag: unique per (micro-batch, direction), and in an interleaved
+        plan per stage boundary too (two ranks exchange one message per boundary between
+        their chunks)."""
+        forward = self.kind in (OpKind.SEND_FWD, OpKind.RECV_FWD)
+        if self.stage < 0:
+            return 2 * self.microbatch + (0 if forward else 1)
+        # the boundary between stages b and b + 1 that the message crosses
+        b = self.stage - (1 if self.kind in (OpKind.RECV_FWD, OpKind.SEND_BWD) else 0)
+        return 2 * (self.microbatch * MAX_STAGES + b) + (0 if forward else 1)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind.value, "microbatch": self.microbatch, "peer": self.peer}
+        d = {"kind": self.kind.value, "microbatch": self.microbatch, "peer": self.peer}
+        if self.stage >= 0:
+            d["stage"] = self.stage
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Op":
-        return cls(OpKind(d["kind"]), int(d.get("microbatch", -1)), int(d.get("peer", -1)))
+        return cls(OpKind(d["kind"]), int(d.get("microbatch", -1)), int(d.get("peer", -1)),
+                   int(d.get("stage", -1)))
 
 
 @dataclass(frozen=True)
@@ -164,6 +183,63 @@ def _rank_1f1b(plan: ExecutionPlan, rank: int) -> list[Op]:
     return ops
 
 
+def interleaved_1f1b(plan: ExecutionPlan) -> Schedule:
+    """Megatron-LM's interleaved 1F1B for a plan whose ranks hold V model chunks each (V x P
+    stages per pipeline, stage k on the ranks of position k mod P): a rank's virtual
+    micro-batch k is micro-batch (k // PV) P + k mod P of chunk (k mod PV) // P (backwards:
+    the chunks in reverse); (P - p - 1) x 2 + (V - 1) x P forwards warm up, then one forward
+    and one backward alternate. Each pipeline's micro-batch count must be a multiple of P."""
+    out: dict[int, list[Op]] = {}
+    for rank in plan.ranks:
+        pipe = plan.pipeline_of(rank)
+        chunks = plan.chunks(rank)
+        v, depth = len(chunks), len(pipe.stages)
+        p_size = depth // v
+        if depth % v or any(s % p_size != chunks[0] for s in chunks):
+            raise ValueError(f"rank {rank}'s stages {chunks} are not one position of an "
+                             f"interleaved pipeline of {depth} stages")
+        mbs = pipe.micro_batches
+        if len(mbs) % p_size:
+            raise ValueError(f"an interleaved pipeline of {p_size} ranks needs a multiple of "
+                             f"{p_size} micro-batches per pipeline, not {len(mbs)}")
+        p, total = chunks[0], len(mbs) * v
+        warmup = min((p_size - p - 1) * 2 + (v - 1) * p_size, total)
+        ops: list[Op] = []
+
+        def virtual(k: int, forward: bool) -> tuple[int, int]:
+            """(micro-batch, stage) of virtual micro-batch k."""
+            c = (k % (p_size * v)) // p_size
+            c = c if forward else v - 1 - c
+            return mbs[(k // (p_size * v)) * p_size + k % p_size], chunks[c]
+
+        def forward(k: int) -> None:
+            mb, s = virtual(k, True)
+            if s > 0:
+                ops.append(Op(OpKind.RECV_FWD, mb, plan.prev_rank(rank, s), s))
+            ops.append(Op(OpKind.FWD, mb, stage=s))
+            if s + 1 < depth:
+                ops.append(Op(OpKind.SEND_FWD, mb, plan.next_rank(rank, s), s))
+
+        def backward(k: int) -> None:
+            mb, s = virtual(k, False)
+            if s + 1 < depth:
+                ops.append(Op(OpKind.RECV_BWD, mb, plan.next_rank(rank, s), s))
+            ops.append(Op(OpKind.BWD, mb, stage=s))
+            if s > 0:
+                ops.append(Op(OpKind.SEND_BWD, mb, plan.prev_rank(rank, s), s))
+
+        for k in range(warmup):
+            forward(k)
+        for i in range(total - warmup):
+            forward(warmup + i)
+            backward(i)
+        for k in range(total - warmup, total):
+            backward(k)
+        ops += [Op(OpKind.REDUCE_GRADS), Op(OpKind.OPT_STEP)]
+        out[rank] = ops
+    return Schedule(out)
+
+
 def forward_only(plan: ExecutionPlan) -> Schedule:
     """Evaluation: every micro-batch forward along its path, no backward. Each rank takes its
     micro-batches in (position in the owning pipeline, id) order, the same key everywhere, so
@@ -175,14 +251,15 @@ def forward_only(plan: ExecutionPlan) -> Schedule:
                 for t, rank in enumerate(group):
                     work[rank].append((order, mb, k, t))
     out: dict[int, list[Op]] = {}
+    stage = (lambda k: k) if plan.interleaved else (lambda k: -1)
     for rank, items in work.items():
         ops: list[Op] = []
         for _, mb, k, t in sorted(items):
             path = plan.path(mb)
             if k > 0:
-                ops.append(Op(OpKind.RECV_FWD, mb, path[k - 1][t]))
-            ops.append(Op(OpKind.FWD, mb))
+                ops.append(Op(OpKind.RECV_FWD, mb, path[k - 1][t], stage(k)))
+            ops.append(Op(OpKind.FWD, mb, stage=stage(k)))
             if k + 1 < len(path):
-                ops.append(Op(OpKind.SEND_FWD, mb, path[k + 1][t]))
+                ops.append(Op(OpKind.SEND_FWD, mb, path[k + 1][t], stage(k)))
         out[rank] = ops
     return Schedule(out)

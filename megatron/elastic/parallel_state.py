@@ -90,6 +90,12 @@ def _own_stages(p) -> list:
     return [st for st in p.stages if st.ranks]
 
 
+def _pp_ranks(pipe, t: int) -> list[int]:
+    """The pipeline's ranks of shard t in stage order, each once (an interleaved pipeline's
+    ranks hold several stages)."""
+    return list(dict.fromkeys(st.ranks[t] for st in _own_stages(pipe)))
+
+
 def _instance_of(plan: ExecutionPlan, rank: int, instances: int) -> int:
     dp = sorted(plan.replicas(rank))
     return dp.index(rank) // (len(dp) // instances)
@@ -110,7 +116,7 @@ def _layout(plan: ExecutionPlan, rank: int, instances: int = 1) -> dict[str, lis
             raise ValueError("distributed-optimizer instances need whole-stage replicas; "
                              "this plan's pipelines split the layers differently")
         # DDP reduces over this rank alone; grad_reduction sums over reduction_groups().
-        return {"tp": list(stage.ranks), "pp": [st.ranks[t] for st in _own_stages(pipe)],
+        return {"tp": list(stage.ranks), "pp": _pp_ranks(pipe, t),
                 "mp": plan.ranks, "dp": [rank], "tp_dp": list(stage.ranks), "embd": [],
                 "single": [rank]}
     embd = next((g for g in embedding_groups(plan, t) if rank in g), [])
@@ -127,7 +133,7 @@ def _layout(plan: ExecutionPlan, rank: int, instances: int = 1) -> dict[str, lis
     return {
         **sharding,
         "tp": list(stage.ranks),
-        "pp": [st.ranks[t] for st in _own_stages(pipe)],
+        "pp": _pp_ranks(pipe, t),
         "mp": plan.ranks,
         "dp": dp,
         "tp_dp": sorted(r for p in plan.pipelines for st in _own_stages(p)
@@ -175,8 +181,8 @@ def reduction_groups(plan: ExecutionPlan, t: int) -> list[ReductionGroup]:
 
 
 def embedding_contributor(plan: ExecutionPlan, rank: int, group: list[int]) -> bool:
-    firsts = [r for r in group if plan.stage_of(r).layer_start == 0]
-    lasts = [r for r in group if plan.stage_of(r).layer_end == plan.num_layers]
+    firsts = [r for r in group if plan.is_first_stage(r)]
+    lasts = [r for r in group if plan.is_last_stage(r)]
     return rank in (min(firsts, default=None), min(lasts, default=None))
 
 

@@ -144,17 +144,23 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         sharding = replace(sharding, instances=instances_for(plan, sharding.instances))
     groups = parallel_state.initialize(plan, rank, timeout, spec.rendezvous, sharding.instances,
                                       spec.storage)
-    stage = plan.stage_of(rank)
     pos = plan.position(rank)
     first, last = plan.is_first_stage(rank), plan.is_last_stage(rank)
-
-    cfg = stage_model.stage_config(config, stage)
     pgs = parallel_state.collection(groups)
-    module = spec.model_provider(cfg, first, last, pgs)
-    stage_model.init_parameters(
-        module, seed=seed, layer_offset=stage.layer_start, pre_process=first,
-        total_layers=plan.num_layers, init_std=config.init_method_std, tp_rank=pos.tp_rank,
-        tp_size=plan.tensor_parallel, tied_output=tied_embeddings)
+    stages = plan.pipeline_of(rank).stages
+    # one stage model per stage this rank holds (an interleaved plan's chunks), each with its
+    # layers' global initial weights
+    parts: dict[int, torch.nn.Module] = {}
+    for s in plan.chunks(rank):
+        part = spec.model_provider(stage_model.stage_config(config, stages[s]), s == 0,
+                                   s == len(stages) - 1, pgs)
+        stage_model.init_parameters(
+            part, seed=seed, layer_offset=stages[s].layer_start, pre_process=s == 0,
+            total_layers=plan.num_layers, init_std=config.init_method_std,
+            tp_rank=pos.tp_rank, tp_size=plan.tensor_parallel, tied_output=tied_embeddings)
+        parts[s] = part
+    module = next(iter(parts.values())) if len(parts) == 1 else stage_model.ModelChunks(parts)
+    cfg = stage_model.stage_config(config, plan.stage_of(rank))
     reduction = None
     if groups.misaligned:
         # Pipelines split the layers differently: DDP's group is this rank alone, and
@@ -170,9 +176,9 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     elif not groups.representative:
         for p in module.parameters():
             p.shared = True  # a replica's twin counts these in the global grad norm
-    tied = stage_model.mark_tied_output(module)
+    tied = stage_model.mark_tied_output(parts[max(parts)])
     if tied is None and first and not last and tied_embeddings:
-        tied = module.embedding.word_embeddings.weight
+        tied = parts[0].embedding.word_embeddings.weight
         # Its own DDP bucket, as the last stage's copy has: the distributed optimizer then
         # shards both copies alike, so the embedding all-reduce after the reduce-scatter
         # sums matching shards (megatron-core's LanguageModule marks it so under pipelining).
@@ -180,8 +186,9 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
     seeder = None
     if config.hidden_dropout > 0 or config.attention_dropout > 0:
         seeder = stage_model.DropoutSeeder(seed)
-        seeder.attach(module, stage.layer_start, first, pos.tp_rank, plan.tensor_parallel,
-                      config.sequence_parallel)
+        for s, part in parts.items():
+            seeder.attach(part, stages[s].layer_start, s == 0, pos.tp_rank,
+                          plan.tensor_parallel, config.sequence_parallel)
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=spec.grad_reduce_in_fp32,
@@ -223,8 +230,8 @@ def build(plan: ExecutionPlan, rank: int, spec: RuntimeSpec,
         clip_grad=spec.optimizer_config.clip_grad, hooks=spec.hooks,
         emulation=spec.emulation.device(plan, rank) if spec.emulation else None,
         every_stage_reads=spec.every_stage_reads, per_token_loss=spec.per_token_loss,
-        count_zeros=spec.count_zeros)
-    if spec.measure_memory:
+        count_zeros=spec.count_zeros, chunks=parts if len(parts) > 1 else {})
+    if spec.measure_memory and len(parts) == 1:   # the meter knows one stage model
         rt.memory = MemoryMeter(module, first, last)
     if sharding.buddy and sharding.distributed_optimizer:
         rt.buddy = BuddyCopies(optimizer, tied_embeddings)

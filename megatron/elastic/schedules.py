@@ -89,6 +89,12 @@ def _no_op(*_) -> None:
     pass
 
 
+def _key(op: Op) -> tuple[int, int]:
+    """Where an op's activations and gradients are kept: its micro-batch and its stage (a
+    rank of an interleaved plan holds a micro-batch in each of its chunks)."""
+    return op.microbatch, op.stage
+
+
 def _every_rank_applies(iteration: int) -> bool:
     return True
 
@@ -151,12 +157,23 @@ class StageRuntime:
     # parameters (sharded_state.gather_parameters brings the other replicas' shards).
     params_behind: bool = False
     buddy: object | None = None    # megatron.elastic.buddy_copies.BuddyCopies
+    # An interleaved plan's model chunks: stage index -> its stage model (`module` holds them
+    # all, for DDP and the optimizer); empty where the rank holds one stage
+    chunks: dict[int, torch.nn.Module] = field(default_factory=dict)
     first: bool = field(init=False)
     last: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.first = self.plan.is_first_stage(self.rank)
         self.last = self.plan.is_last_stage(self.rank)
+
+    def chunk(self, stage: int) -> tuple[torch.nn.Module, bool, bool]:
+        """The stage model an op of `stage` runs on (-1: the rank's one stage), and whether
+        it is its pipeline's first and last stage."""
+        if stage < 0:
+            return self.module, self.first, self.last
+        return (self.chunks[stage], stage == 0,
+                stage == len(self.plan.pipeline_of(self.rank).stages) - 1)
 
 
 class Executor:
@@ -172,10 +189,11 @@ class Executor:
         self._recvs: dict[Op, FusedMessage] = {}
         self._outbox: dict[FusedMessage, list[torch.Tensor]] = {}
         self._inbox: dict[Op, torch.Tensor] = {}    # receive op -> its tensor, already here
-        self._inputs: dict[int, torch.Tensor] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._out_grads: dict[int, torch.Tensor] = {}
-        self._in_grads: dict[int, torch.Tensor] = {}
+        # by (micro-batch, stage): _key
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._out_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self._in_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._pending: list = []
         self._position = 0
         self._started = False  # whether the op at _position began (before_op may refuse it)
@@ -305,8 +323,9 @@ class Executor:
     def _check_finished(self) -> None:
         if (self._inputs or self._outputs or self._out_grads or self._in_grads
                 or self._outbox or self._inbox or (self.rt.wgrad and self.rt.wgrad.pending)):
+            left = sorted({mb for mb, _ in set(self._inputs) | set(self._outputs)})
             raise RuntimeError(f"rank {self.rt.rank}: micro-batches left unfinished by the "
-                               f"schedule: {sorted(set(self._inputs) | set(self._outputs))}")
+                               f"schedule: {left}")
 
     def drain(self, ops: list[Op], lost: set[int], iteration: int) -> list:
         """After a failure at op `_position` of `iteration` (0-based; or before it began: a
@@ -399,12 +418,13 @@ class Executor:
         receives were skipped, no data-parallel collective dispatched from its hooks (DDP's
         gradient hooks counting nothing under no_sync, the parameter gathers' forward hooks
         off: `drain` joins those groups itself, or not at all), no memory measured."""
-        rt, mb = self.rt, op.microbatch
-        if op.kind is OpKind.FWD and not rt.first and mb not in self._inputs:
-            self._inputs[mb] = self._placeholder().requires_grad_()
-        if op.kind in (OpKind.BWD, OpKind.BWD_INPUT) and not rt.last and \
-                mb not in self._out_grads:
-            self._out_grads[mb] = self._placeholder()
+        rt, key = self.rt, _key(op)
+        _, first, last = rt.chunk(op.stage)
+        if op.kind is OpKind.FWD and not first and key not in self._inputs:
+            self._inputs[key] = self._placeholder().requires_grad_()
+        if op.kind in (OpKind.BWD, OpKind.BWD_INPUT) and not last and \
+                key not in self._out_grads:
+            self._out_grads[key] = self._placeholder()
         hooks_on = bool(getattr(rt.model, "remove_forward_pre_hook_handles", None))
         if hooks_on:
             rt.model.disable_forward_pre_hook(param_sync=False)
@@ -504,25 +524,28 @@ class Executor:
             self._pending.append((dist.isend(buf, dst=msg.dst, tag=msg.tag()), buf))
 
     def _recv_fwd(self, op: Op, iteration: int) -> None:
-        self._inputs[op.microbatch] = self._recv(op).requires_grad_()
+        self._inputs[_key(op)] = self._recv(op).requires_grad_()
 
     def _fwd(self, op: Op, iteration: int) -> None:
         rt = self.rt
-        mb = op.microbatch
-        reads = rt.first or rt.last or rt.every_stage_reads
+        mb, key = op.microbatch, _key(op)
+        module, first, last = rt.chunk(op.stage)
+        reads = first or last or rt.every_stage_reads
         batch = to_device(rt.get_batch(iteration, mb)) if reads else None
-        if rt.first and rt.model.training and rt.plan.position(rt.rank).tp_rank == 0:
+        if first and rt.model.training and rt.plan.position(rt.rank).tp_rank == 0:
             self._samples += int(batch["tokens"].shape[0])
         if rt.before_forward:
             rt.before_forward(iteration, mb)
-        rt.module.set_input_tensor(self._inputs.get(mb))
+        module.set_input_tensor(self._inputs.get(key))
         measured = rt.memory and rt.model.training and not self._draining and \
             rt.memory.measuring(iteration)
         with rt.memory.forward(mb) if measured else nullcontext():
-            out = rt.forward_step(batch, rt.model)
-            if rt.last:
+            # a chunk's own forward (DDP's forward calls its module's; an interleaved rank's
+            # module holds every chunk)
+            out = rt.forward_step(batch, rt.model if op.stage < 0 else module)
+            if last:
                 out = self._weighted_loss(rt.loss_func(batch, out), batch)
-        self._outputs[mb] = out
+        self._outputs[key] = out
 
     def _weighted_loss(self, mean: torch.Tensor, batch: dict) -> torch.Tensor:
         """A micro-batch's token-mean `mean` added to the sums the commit reduces (the mean, or
@@ -538,22 +561,22 @@ class Executor:
         return mean if rt.per_token_loss else mean / rt.plan.num_micro_batches
 
     def _send_fwd(self, op: Op, iteration: int) -> None:
-        self._send(self._outputs[op.microbatch].detach(), op)
+        self._send(self._outputs[_key(op)].detach(), op)
 
     def _recv_bwd(self, op: Op, iteration: int) -> None:
-        self._out_grads[op.microbatch] = self._recv(op)
+        self._out_grads[_key(op)] = self._recv(op)
 
     def _bwd(self, op: Op, iteration: int) -> None:
-        mb = op.microbatch
+        mb, key = op.microbatch, _key(op)
         if self.rt.before_forward:  # activation recompute runs this micro-batch's forward again
             self.rt.before_forward(iteration, mb)
-        out = self._outputs.pop(mb)
-        torch.autograd.backward(out, grad_tensors=self._out_grads.pop(mb, None))
+        out = self._outputs.pop(key)
+        torch.autograd.backward(out, grad_tensors=self._out_grads.pop(key, None))
         if self.rt.memory and op.kind is OpKind.BWD:
             self.rt.memory.backward_done(mb)
-        inp = self._inputs.pop(mb, None)
-        if inp is not None and not self.rt.first:
-            self._in_grads[mb] = inp.grad
+        inp = self._inputs.pop(key, None)
+        if inp is not None and not self.rt.chunk(op.stage)[1]:
+            self._in_grads[key] = inp.grad
 
     def _bwd_input(self, op: Op, iteration: int) -> None:
         self.rt.wgrad.deferring = op.microbatch
@@ -568,7 +591,7 @@ class Executor:
             self.rt.memory.backward_done(op.microbatch)
 
     def _send_bwd(self, op: Op, iteration: int) -> None:
-        self._send(self._in_grads.pop(op.microbatch), op)
+        self._send(self._in_grads.pop(_key(op)), op)
 
     def _reduce_grads(self, op: Op, iteration: int) -> None:
         self._grads_synced = self._tp_sum_began = False

@@ -279,6 +279,22 @@ class DropoutSeeder:
                     lambda g=layer_offset + i: self.key(g))
 
 
+class ModelChunks(torch.nn.ModuleList):
+    """An interleaved rank's stage models (one per stage it holds, in stage order) as one
+    module for megatron-core's DDP and optimizer; the executor runs each chunk itself."""
+
+    def __init__(self, parts: dict[int, torch.nn.Module]) -> None:
+        super().__init__(parts[s] for s in sorted(parts))
+
+    @property
+    def config(self):
+        return self[0].config
+
+    @property
+    def pg_collection(self):
+        return self[0].pg_collection
+
+
 def mark_tied_output(model: torch.nn.Module) -> torch.nn.Parameter | None:
     """The last stage's copy of the tied embeddings: excluded from the grad norm (shared) and
     summed with the first stage's gradient over the embedding group."""

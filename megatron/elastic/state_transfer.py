@@ -24,16 +24,19 @@ from megatron.elastic.schedules import StageRuntime
 
 
 def named_parameters(rt: StageRuntime, tied_embeddings: bool) -> dict[str, torch.nn.Parameter]:
-    """Global name (with the tensor-parallel shard) -> parameter, for this rank's stage."""
-    stage = rt.plan.stage_of(rt.rank)
+    """Global name (with the tensor-parallel shard) -> parameter, for this rank's stage (an
+    interleaved plan's: its chunks')."""
     pos = rt.plan.position(rt.rank)
+    stages = rt.plan.pipeline_of(rt.rank).stages
     out = {}
-    for name, p in rt.module.named_parameters():
-        if name == "output_layer.weight" and not tied_embeddings:
-            gname = name
-        else:
-            gname = stage_model.global_name(name, stage.layer_start, rt.first)
-        out[f"{gname}/tp{pos.tp_rank}of{rt.plan.tensor_parallel}"] = p
+    for s in rt.plan.chunks(rt.rank):
+        module = rt.chunks.get(s, rt.module)
+        for name, p in module.named_parameters():
+            if name == "output_layer.weight" and not tied_embeddings:
+                gname = name
+            else:
+                gname = stage_model.global_name(name, stages[s].layer_start, s == 0)
+            out[f"{gname}/tp{pos.tp_rank}of{rt.plan.tensor_parallel}"] = p
     return out
 
 

@@ -193,20 +193,6 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--train-samples", type=int, default=None,
                    help="instead of --train-iters: samples to train on (iterations: rounded up)")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="with --fp16: a static loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=None,
-                   help="with --fp16: the dynamic scale's start (default 2^32)")
-    g.add_argument("--min-loss-scale", type=float, default=None,
-                   help="with --fp16: the dynamic scale's floor (default 1)")
-    g.add_argument("--loss-scale-window", type=float, default=None,
-                   help="with --fp16: steps without inf/nan before the scale grows (default "
-                        "1000)")
-    g.add_argument("--hysteresis", type=int, default=None,
-                   help="with --fp16: inf/nan steps tolerated before the scale shrinks "
-                        "(default 2)")
     g.add_argument("--fp8-format", default=None, help="refused: fp8 needs transformer-engine "
                                                       "on Hopper GPUs")
     g.add_argument("--fp8-param-gather", action="store_true", help="refused: fp8")
@@ -269,6 +255,22 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
                    help="go on when the loss is not finite (default: stop with an error)")
+
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="with --fp16: a static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=None,
+                   help="with --fp16: the dynamic scale's start (default 2^32)")
+    g.add_argument("--min-loss-scale", type=float, default=None,
+                   help="with --fp16: the dynamic scale's floor (default 1)")
+    g.add_argument("--loss-scale-window", type=float, default=None,
+                   help="with --fp16: steps without inf/nan before the scale grows (default "
+                        "1000)")
+    g.add_argument("--hysteresis", type=int, default=None,
+                   help="with --fp16: inf/nan steps tolerated before the scale shrinks "
+                        "(default 2)")
 
     g = p.add_argument_group("learning rate and optimizer")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
@@ -333,9 +335,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="only 1: context parallelism is not supported")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="refused: interleaved pipelines are not supported yet")
+                   help="an interleaved pipeline: each rank holds model chunks of this many "
+                        "layers (Megatron-LM's interleaved 1F1B; not with --chameleon yet)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                   help="refused: interleaved pipelines are not supported yet")
+                   help="an interleaved pipeline of this many model chunks per rank")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over each stage's replicas (megatron-core's "
                         "DistributedOptimizer); not with --chameleon yet")
@@ -658,7 +661,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
             overlap_param_gather=args.overlap_param_gather,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers,
-            ddp_bucket_size=args.ddp_bucket_size),
+            ddp_bucket_size=args.ddp_bucket_size, virtual_stages=args.virtual_stages),
         training=TrainingConfig(
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             train_iters=args.train_iters, seed=args.seed, lr=args.lr, min_lr=args.min_lr,
@@ -770,6 +773,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     need(not args.sequence_parallel or args.seq_length % tp == 0,
          f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
          f"--tensor-model-parallel-size {tp}")
+    _virtual_stages(args)
     if args.chameleon_plan is None:
         need(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -794,6 +798,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         need(args.global_batch_size % (args.micro_batch_size * dp) == 0,
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
              f"{args.micro_batch_size} x data parallel size {dp}")
+        per_pipeline = args.global_batch_size // (args.micro_batch_size * dp)
+        need(args.virtual_stages == 1 or per_pipeline % pp == 0,
+             f"an interleaved pipeline of {pp} stages runs a multiple of {pp} micro-batches: "
+             f"--global-batch-size {args.global_batch_size} gives each of the {dp} pipeline(s) "
+             f"{per_pipeline}")
     args.ramp = None
     if args.rampup_batch_size is not None:
         args.ramp = BatchRamp(*args.rampup_batch_size, final=args.global_batch_size)
@@ -1090,11 +1099,11 @@ _REFUSED: tuple[tuple[str, Callable[[argparse.Namespace], bool], str], ...] = (
     ("--expert-model-parallel-size", lambda a: a.expert_model_parallel_size != 1,
      "expert parallelism is not supported (only 1: experts are replicated like any layer)"),
     ("--num-layers-per-virtual-pipeline-stage",
-     lambda a: a.num_layers_per_virtual_pipeline_stage is not None,
-     "interleaved pipelines are not supported yet"),
+     lambda a: a.num_layers_per_virtual_pipeline_stage is not None and a.chameleon,
+     "not with --chameleon yet: a recovery plans stages, not a rank's model chunks"),
     ("--num-virtual-stages-per-pipeline-rank",
-     lambda a: a.num_virtual_stages_per_pipeline_rank is not None,
-     "interleaved pipelines are not supported yet"),
+     lambda a: a.num_virtual_stages_per_pipeline_rank is not None and a.chameleon,
+     "not with --chameleon yet: a recovery plans stages, not a rank's model chunks"),
     ("--bf16", lambda a: a.bf16 and a.use_distributed_optimizer and a.chameleon,
      "not with --use-distributed-optimizer and --chameleon yet: a recovery carries the "
      "optimizer's fp32 shards of fp32 parameters only, not the fp32 main copies of bf16 ones"),
@@ -1187,6 +1196,45 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
     for flag, given, why in _REFUSED:
         if given(args):
             raise ArgumentError(f"{flag}: {why}")
+
+
+def _virtual_stages(args: argparse.Namespace) -> None:
+    """Megatron-LM's interleaved pipeline: V model chunks per rank, from
+    --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage."""
+    per_chunk, v = (args.num_layers_per_virtual_pipeline_stage,
+                    args.num_virtual_stages_per_pipeline_rank)
+    pp = args.pipeline_model_parallel_size
+    args.virtual_stages = 1
+    if per_chunk is None and v is None:
+        return
+    flag = ("--num-layers-per-virtual-pipeline-stage" if per_chunk is not None
+            else "--num-virtual-stages-per-pipeline-rank")
+    if per_chunk is not None and v is not None:
+        raise ArgumentError("--num-layers-per-virtual-pipeline-stage and "
+                            "--num-virtual-stages-per-pipeline-rank exclude each other")
+    if pp < 2:
+        raise ArgumentError(f"{flag} needs --pipeline-model-parallel-size 2 or more")
+    if per_chunk is not None:
+        if per_chunk < 1 or args.num_layers % (pp * per_chunk):
+            raise ArgumentError(f"{flag} {per_chunk}: --num-layers {args.num_layers} is not "
+                                f"a multiple of {pp} stages x {per_chunk} layers")
+        v = args.num_layers // (pp * per_chunk)
+    elif v < 1 or args.num_layers % (pp * v):
+        raise ArgumentError(f"{flag} {v}: --num-layers {args.num_layers} does not split into "
+                            f"{pp} stages x {v} chunks")
+    others = [f for f, on in (
+        ("--chameleon-plan", args.chameleon_plan is not None),
+        ("--chameleon-executor megatron-core", args.chameleon_executor != "ir"),
+        ("--decoder-first/last-pipeline-num-layers",
+         args.decoder_first_pipeline_num_layers is not None
+         or args.decoder_last_pipeline_num_layers is not None),
+        ("--account-for-embedding/loss-in-pipeline-split",
+         args.account_for_embedding_in_pipeline_split
+         or args.account_for_loss_in_pipeline_split),
+        ("--rampup-batch-size", args.rampup_batch_size is not None)) if on]
+    if others:
+        raise ArgumentError(f"{flag} does not go with {', '.join(others)} yet")
+    args.virtual_stages = v
 
 
 def _pipeline_split(args: argparse.Namespace) -> None:

@@ -155,6 +155,9 @@ class ParallelConfig:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     ddp_bucket_size: int | None = None       # --ddp-bucket-size (None: megatron-core's)
+    # --num-virtual-stages-per-pipeline-rank (or from --num-layers-per-virtual-pipeline-stage):
+    # model chunks per rank of an interleaved pipeline (1: not interleaved)
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)

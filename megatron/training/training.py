@@ -151,13 +151,16 @@ def make_plan(config: JobConfig) -> ExecutionPlan:
             raise PlanError("plan's tensor_parallel differs from --tensor-model-parallel-size")
         if plan.micro_batch_size != training.micro_batch_size:
             raise PlanError("plan's micro_batch_size differs from --micro-batch-size")
+        if plan.interleaved and config.elastic.enabled:
+            raise PlanError(f"plan {par.plan_file} is interleaved (a rank holds several "
+                            "stages): --chameleon recovers plans of one stage per rank only")
         # Pipelines may split the layers at different points (misaligned stages): their
         # gradients are then summed per segment of layers (megatron.elastic.grad_reduction).
         return plan
     return ExecutionPlan.failure_free(world, par.tensor_parallel, par.pipeline_parallel,
                                       model.num_layers, training.micro_batch_size,
                                       training.first_global_batch, par.first_stage_layers,
-                                      par.last_stage_layers)
+                                      par.last_stage_layers, par.virtual_stages)
 
 
 def place_on_nodes(config: JobConfig, plan: ExecutionPlan) -> tuple[ExecutionPlan, str | None]:

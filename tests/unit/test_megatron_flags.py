@@ -109,7 +109,18 @@ def test_data_checkpoint_and_logging_flags():
     (["--context-parallel-size", "2"], "--context-parallel-size: context parallelism"),
     (["--expert-model-parallel-size", "2", "--num-experts", "4"],
      "--expert-model-parallel-size: expert parallelism"),
-    (["--num-layers-per-virtual-pipeline-stage", "1"], "interleaved pipelines"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size 2 or more"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-model-parallel-size", "2",
+      "--chameleon"], "--num-layers-per-virtual-pipeline-stage: not with --chameleon yet"),
+    (["--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"],
+     "--num-layers 4 is not a multiple of 2 stages x 3 layers"),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage",
+      "1", "--pipeline-model-parallel-size", "2"], "exclude each other"),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-size", "2",
+      "--chameleon-executor", "megatron-core"],
+     "does not go with --chameleon-executor megatron-core yet"),
+
     (["--bf16", "--use-distributed-optimizer", "--chameleon"],
      "--bf16: not with --use-distributed-optimizer and --chameleon yet"),
     (["--use-distributed-optimizer", "--chameleon", "--chameleon-redundancy", "eager"],
@@ -596,3 +607,29 @@ def test_replica_digests_name_the_tensors_whose_copies_differ():
         "--check-weight-hash-across-dp-replicas-interval", "0")
     assert config("--check-weight-hash-across-dp-replicas-interval", "5"
                   ).training.check_replicas_interval == 5
+
+
+def test_interleaved_pipeline_flags_make_the_plan():
+    """--num-layers-per-virtual-pipeline-stage 1 of 4 layers over 2 stages: 2 chunks a rank;
+    a pipeline's micro-batches must be a multiple of its ranks (Megatron-LM's interleaved
+    schedule)."""
+    from megatron.training.training import make_plan
+    job = config("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                 "1", "--global-batch-size", "8", world=4)
+    assert job.parallel.virtual_stages == 2
+    plan = make_plan(job)
+    assert plan.interleaved and plan.chunks(0) == [0, 2] and len(plan.pipelines) == 2
+    assert "an interleaved pipeline of 2 stages runs a multiple of 2 micro-batches: " \
+           "--global-batch-size 6 gives each of the 1 pipeline(s) 3" in refusal(
+               "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-size",
+               "2", "--global-batch-size", "6", world=2)
+
+
+def test_an_interleaved_plan_file_is_refused_under_chameleon(tmp_path):
+    from chameleon_ext.plan.execution_plan import ExecutionPlan, PlanError
+    from megatron.training.training import make_plan
+    path = tmp_path / "plan.json"
+    ExecutionPlan.failure_free(2, 1, 2, 4, 2, 4, virtual_stages=2).save(path)
+    assert make_plan(config("--chameleon-plan", str(path), world=2)).interleaved
+    with pytest.raises(PlanError, match="--chameleon recovers plans of one stage per rank"):
+        make_plan(config("--chameleon-plan", str(path), "--chameleon", world=2))

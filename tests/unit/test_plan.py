@@ -297,3 +297,43 @@ def test_relabelled_and_renumbered_plans_are_new_and_valid():
     assert [st.ranks for p in dense.pipelines for st in p.stages] == [[0], [2], [1], [3]]
     with pytest.raises(PlanError, match="rank 0 appears"):
         plan.relabelled({0: 0, 1: 0, 2: 2, 3: 3})
+
+
+def test_an_interleaved_plan_gives_each_rank_its_chunks():
+    """Megatron-LM's virtual pipeline stages: 2 x 2 stages of 2 layers per pipeline, stage k
+    on the ranks of position k mod 2; the JSON round-trips."""
+    plan = ExecutionPlan.failure_free(4, 1, 2, 8, 1, 4, virtual_stages=2)
+    assert plan.interleaved and plan.world_size == 4
+    assert [(st.layer_start, st.ranks) for st in plan.pipelines[0].stages] == \
+        [(0, [0]), (2, [2]), (4, [0]), (6, [2])]
+    assert plan.chunks(0) == [0, 2] and plan.chunks(3) == [1, 3]
+    assert plan.is_first_stage(0) and not plan.is_last_stage(0)
+    assert plan.is_last_stage(2) and not plan.is_first_stage(2)
+    assert plan.next_rank(0, 2) == 2 and plan.prev_rank(0, 2) == 2 and plan.next_rank(2, 3) \
+        is None
+    assert plan.replicas(0) == [0, 1] and plan.tp_groups() == [[0], [1], [2], [3]]
+    assert ExecutionPlan.from_json(plan.to_json()).chunks(2) == [1, 3]
+    assert not ExecutionPlan.failure_free(4, 1, 2, 8, 1, 4).interleaved
+
+
+@pytest.mark.parametrize("stages, message", [
+    ([[0], [0], [1], [1]], "rank 0 appears in pipeline 0 stage 0 and pipeline 0 stage 1"),
+    ([[0], [1], [2], [0]], None),
+])
+def test_a_rank_holds_several_stages_of_one_pipeline_only_apart(stages, message):
+    plan = {"num_layers": 4, "tensor_parallel": 1, "micro_batch_size": 1,
+            "num_micro_batches": 2, "pipelines": [{"stages": [
+                {"layer_start": i, "layer_end": i + 1, "ranks": r}
+                for i, r in enumerate(stages)], "micro_batches": [0, 1]}]}
+    if message is None:
+        assert ExecutionPlan.from_dict(plan).chunks(0) == [0, 3]
+        return
+    with pytest.raises(PlanError, match=message):
+        ExecutionPlan.from_dict(plan)
+
+
+def test_an_interleaved_plan_needs_an_even_split_over_two_stages_or_more():
+    with pytest.raises(PlanError, match="interleaved pipeline needs at least 2 stages"):
+        ExecutionPlan.failure_free(2, 1, 1, 4, 1, 2, virtual_stages=2)
+    with pytest.raises(PlanError, match="interleaved pipeline needs at least 2 stages"):
+        ExecutionPlan.failure_free(4, 1, 2, 8, 1, 4, first_stage_layers=1, virtual_stages=2)

@@ -95,3 +95,70 @@ def test_schedule_dict_round_trip_through_json():
 def test_op_from_dict_rejects_unknown_kind():
     with pytest.raises(ValueError):
         Op.from_dict({"kind": "warp"})
+
+
+def completes(schedule: Schedule) -> bool:
+    """The IR's semantics (a send never blocks; a receive waits for the matching send by
+    peer and tag): every rank reaches the end of its ops."""
+    done = {r: 0 for r in schedule.ops}
+    posted: set[tuple[int, int, int]] = set()
+    moved = True
+    while moved:
+        moved = False
+        for r, ops in schedule.ops.items():
+            while done[r] < len(ops):
+                op = ops[done[r]]
+                if op.kind in (OpKind.SEND_FWD, OpKind.SEND_BWD):
+                    posted.add((r, op.peer, op.message_tag()))
+                elif op.kind in (OpKind.RECV_FWD, OpKind.RECV_BWD) and \
+                        (op.peer, r, op.message_tag()) not in posted:
+                    break
+                done[r] += 1
+                moved = True
+    return all(done[r] == len(ops) for r, ops in schedule.ops.items())
+
+
+@pytest.mark.parametrize("pp,v,mbs", [(2, 2, 2), (2, 2, 8), (4, 2, 4), (2, 3, 6), (4, 4, 8)])
+def test_the_interleaved_1f1b_runs_every_chunk_once_and_completes(pp, v, mbs):
+    """Megatron-LM's order: rank p warms up with (P - p - 1) x 2 + (V - 1) x P forwards (at
+    most all of them), then alternates; every (micro-batch, stage) goes forward and backward
+    once on the rank holding that stage, and the schedule completes under the IR's
+    semantics (no rank waits on one that waits on it)."""
+    from chameleon_ext.schedule.ir import interleaved_1f1b
+    plan = ExecutionPlan.failure_free(pp * 2, 1, pp, pp * v * 2, 1, mbs * 2, virtual_stages=v)
+    schedule = interleaved_1f1b(plan)
+    assert completes(schedule)
+    for rank, ops in schedule.ops.items():
+        stages = plan.chunks(rank)
+        assert len(stages) == v
+        mine = plan.pipeline_of(rank).micro_batches
+        for kind in (OpKind.FWD, OpKind.BWD):
+            assert sorted((o.microbatch, o.stage) for o in ops if o.kind is kind) == \
+                sorted((mb, s) for mb in mine for s in stages)
+        first_bwd = next(i for i, o in enumerate(ops) if o.kind is OpKind.BWD)
+        warmup = min((pp - stages[0] - 1) * 2 + (v - 1) * pp, mbs * v)
+        # the steady state's first forward comes before the first backward
+        assert sum(o.kind is OpKind.FWD for o in ops[:first_bwd]) == \
+            warmup + (1 if warmup < mbs * v else 0)
+        assert ops[-2:] == [Op(OpKind.REDUCE_GRADS), Op(OpKind.OPT_STEP)]
+    tags = Counter((r, o.peer, o.message_tag()) for r, ops in schedule.ops.items() for o in ops
+                   if o.kind in (OpKind.SEND_FWD, OpKind.SEND_BWD))
+    assert set(tags.values()) == {1}      # one message per (peer, tag): none confused
+
+
+def test_an_interleaved_pipeline_needs_a_multiple_of_its_ranks_in_micro_batches():
+    from chameleon_ext.schedule.ir import interleaved_1f1b
+    plan = ExecutionPlan.failure_free(2, 1, 2, 4, 1, 3, virtual_stages=2)
+    with pytest.raises(ValueError, match="needs a multiple of 2 micro-batches"):
+        interleaved_1f1b(plan)
+
+
+def test_an_interleaved_ops_tag_names_the_stage_boundary_its_message_crosses():
+    send = Op(OpKind.SEND_FWD, 3, 1, stage=2)          # stage 2 -> 3
+    assert send.message_tag() == Op(OpKind.RECV_FWD, 3, 0, stage=3).message_tag()
+    grad = Op(OpKind.SEND_BWD, 3, 0, stage=3)          # stage 3 -> 2
+    assert grad.message_tag() == Op(OpKind.RECV_BWD, 3, 1, stage=2).message_tag()
+    assert len({send.message_tag(), grad.message_tag(),
+                Op(OpKind.SEND_FWD, 3, 1, stage=0).message_tag()}) == 3
+    assert Op.from_dict(json.loads(json.dumps(send.to_dict()))) == send
+    assert str(send) == "send_fwd(mb=3, stage=2, peer=1)"
