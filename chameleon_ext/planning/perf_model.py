@@ -449,8 +449,14 @@ class ProfileCosts:
         self._stage: dict[int, tuple[int, bool, bool]] = {
             r: (plan.stage_of(r).num_layers, plan.is_first_stage(r), plan.is_last_stage(r))
             for r in plan.ranks}
-        self._params = {r: stage_param_count(profile.shape, *self._stage[r], tp)
-                        for r in plan.ranks}
+        # an interleaved plan's ops name their stage: (layers, first, last) of each
+        self._chunk: dict[tuple[int, int], tuple[int, bool, bool]] = {}
+        if plan.interleaved:
+            for r in plan.ranks:
+                stages = plan.pipeline_of(r).stages
+                self._chunk.update(((r, s), (stages[s].num_layers, s == 0,
+                                             s == len(stages) - 1)) for s in plan.chunks(r))
+        self._params = {r: stage_params(plan, r, profile.shape, tp) for r in plan.ranks}
         whole = part_of or plan
         shards = optimizer_shards(whole, profile.optimizer_instances)
         self._stepped = {r: self._params[r] * step_share(shards[r], profile.buddy_copies)
@@ -482,7 +488,7 @@ class ProfileCosts:
 
     def compute(self, rank: int, op: Op) -> float:
         p = self.profile
-        n, first, last = self._stage[rank]
+        n, first, last = self._stage[rank] if op.stage < 0 else self._chunk[rank, op.stage]
         kind = op.kind
         if kind is OpKind.FWD:
             ms = n * p.layer_fwd_ms + first * p.embedding_fwd_ms + last * p.head_fwd_ms
@@ -561,12 +567,15 @@ def lockstep_slowdown(plan: ExecutionPlan, slowdown: dict[int, float]) -> dict[i
     return out
 
 
-def stage_params(plan: ExecutionPlan, rank: int, shape: ModelShape) -> int:
+def stage_params(plan: ExecutionPlan, rank: int, shape: ModelShape,
+                 tensor_parallel: int | None = None) -> int:
     """Parameters on `rank` (megatron-core's count): its layers' share (tensor parallel splits
     them), the embeddings on the first stage, and on the last the final norm and the output
-    layer (ModelShape.head_params)."""
-    return stage_param_count(shape, plan.stage_of(rank).num_layers, plan.is_first_stage(rank),
-                             plan.is_last_stage(rank), plan.tensor_parallel)
+    layer (ModelShape.head_params); in an interleaved plan, of each of its stages."""
+    stages = plan.pipeline_of(rank).stages
+    tp = plan.tensor_parallel if tensor_parallel is None else tensor_parallel
+    return sum(stage_param_count(shape, stages[s].num_layers, s == 0, s == len(stages) - 1, tp)
+               for s in plan.chunks(rank))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -646,12 +655,15 @@ def _memory(plan: ExecutionPlan, res: SimResult, profile: Profile,
     per_layer = profile.layer_activation_bytes * measured or shape.layer_activation_bytes()
     memory = {}
     for r in plan.ranks:
-        layers = plan.stage_of(r).num_layers
-        first, last = plan.is_first_stage(r), plan.is_last_stage(r)
-        kept = layers * per_layer + (first * profile.embedding_activation_bytes +
-                                     last * profile.head_activation_bytes) * measured
+        # what one micro-batch in flight keeps: its stage's activations (an interleaved
+        # rank's in-flight micro-batches are in its chunks: the largest of theirs)
+        stages = plan.pipeline_of(r).stages
+        kept = max(stages[s].num_layers * per_layer
+                   + ((s == 0) * profile.embedding_activation_bytes
+                      + (s == len(stages) - 1) * profile.head_activation_bytes) * measured
+                   for s in plan.chunks(r))
         acts = res.peak_inflight[r] * kept // tensor_parallel
-        params = stage_param_count(shape, layers, first, last, tensor_parallel)
+        params = stage_params(plan, r, shape, tensor_parallel)
         state = params * profile.bytes_per_param
         if shards[r] > 1:
             state -= params * sharded * (shards[r] - 1) // shards[r]

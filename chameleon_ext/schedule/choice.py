@@ -21,10 +21,13 @@ def choose_schedule(plan: ExecutionPlan, fuse: bool = True, checked: bool = True
     the same iteration time. Every schedule that runs is checked (simulator.check);
     `checked=False` is for predictions only (both generators are correct by construction, and
     the check costs seconds at 16k ranks). An interleaved plan runs Megatron-LM's interleaved
-    1F1B, which the simulator does not model (one stage per rank): it is checked by running
-    (tests/dist/test_interleaved_pipeline.py)."""
+    1F1B, whose run the simulator times (a deadlock would stop it) but whose static checks
+    know one stage per rank."""
     if plan.interleaved:
-        return interleaved_1f1b(plan)
+        schedule = interleaved_1f1b(plan)
+        if checked:
+            simulate(plan, schedule, UniformCosts(), timeline=False)
+        return schedule
     if not plan.rerouted:
         schedule = one_f_one_b(plan)
         if checked:

@@ -110,6 +110,13 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                    help="refused: only standard and grouped-query attention")
     g.add_argument("--window-size", default=None,
                    help="refused: no sliding-window attention in the local layers")
+    # Flags of features refused above, each refused with its feature's reason (a user's
+    # DeepSeek or gpt-oss recipe names them beside it)
+    for flag, (takes_value, _) in _FEATURE_FLAGS.items():
+        if takes_value:
+            g.add_argument(flag, default=None, help="refused")
+        else:
+            g.add_argument(flag, action="store_true", help="refused")
     g.add_argument("--use-mcore-models", action="store_true",
                    help="accepted: every model here is megatron-core's")
     g.add_argument("--apply-layernorm-1p", action="store_true",
@@ -1196,6 +1203,9 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
     for flag, given, why in _REFUSED:
         if given(args):
             raise ArgumentError(f"{flag}: {why}")
+    for flag, (_, why) in _FEATURE_FLAGS.items():
+        if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
+            raise ArgumentError(f"{flag}: {why}")
 
 
 def _virtual_stages(args: argparse.Namespace) -> None:
@@ -1235,6 +1245,27 @@ def _virtual_stages(args: argparse.Namespace) -> None:
     if others:
         raise ArgumentError(f"{flag} does not go with {', '.join(others)} yet")
     args.virtual_stages = v
+
+
+# Megatron-LM flags of refused features: flag -> (whether it takes a value, why)
+_MLA = "goes with multi-latent attention, which is not supported"
+_FSDP = "goes with Megatron FSDP, which is not supported"
+_FEATURE_FLAGS: dict[str, tuple[bool, str]] = {
+    **{f: (True, _MLA) for f in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+                                 "--qk-pos-emb-head-dim", "--v-head-dim",
+                                 "--rotary-scaling-factor", "--mscale", "--mscale-all-dim")},
+    **{f: (True, _FSDP) for f in ("--data-parallel-sharding-strategy",
+                                  "--outer-dp-sharding-strategy",
+                                  "--megatron-fsdp-main-params-dtype",
+                                  "--megatron-fsdp-main-grads-dtype")},
+    **{f: (False, _FSDP) for f in ("--fsdp-double-buffer", "--fsdp-manual-registration")},
+    "--window-attn-skip-freq": (True, "goes with sliding-window attention, which is not "
+                                      "supported"),
+    "--per-split-data-args-path": (True, "give the data with --data-path and --split"),
+    "--sft": (False, "supervised fine-tuning's chat data is not supported (--finetune loads "
+                     "a checkpoint's parameters and goes on pretraining)"),
+    "--enable-experimental": (False, "no experimental megatron-core feature is used here"),
+}
 
 
 def _pipeline_split(args: argparse.Namespace) -> None:

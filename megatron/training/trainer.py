@@ -194,9 +194,12 @@ class Trainer:
             grad_reduce_in_fp32=not training.grad_reduce_in_bf16,
             per_token_loss=training.per_token_loss, count_zeros=log.log_num_zeros_in_grad,
             data_parallel=runtime.DataParallel(
-                config.parallel.distributed_optimizer, config.parallel.optimizer_instances,
-                config.parallel.overlap_grad_reduce, config.parallel.overlap_param_gather,
-                elastic.shard_redundancy == "buddy", config.parallel.ddp_bucket_size))
+                distributed_optimizer=config.parallel.distributed_optimizer,
+                instances=config.parallel.optimizer_instances,
+                overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+                overlap_param_gather=config.parallel.overlap_param_gather,
+                bucket_size=config.parallel.ddp_bucket_size,
+                buddy=elastic.shard_redundancy == "buddy"))
         # What a checkpoint must match to be loaded, and how long its collectives may wait.
         self.model_meta = {"num_layers": config.model.num_layers,
                            "hidden_size": config.model.hidden_size,
@@ -378,7 +381,8 @@ class Trainer:
         of the next iteration, as in an evaluation)."""
         with self._boundary("between-iterations"):
             part = torch.tensor([optimizer_step.params_norm_part(
-                self.built.runtime.optimizer)], dtype=torch.float64)
+                self.built.runtime.optimizer)], dtype=torch.float64,
+                device="cuda" if dist.get_backend() == "nccl" else "cpu")
             dist.all_reduce(part)
         return math.sqrt(float(part))
 

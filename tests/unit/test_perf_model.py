@@ -493,3 +493,18 @@ def test_the_distributed_optimizer_holds_and_steps_a_shard(buddy):
     assert perf_model.optimizer_params(plan, 0, two) == params / 2 * (2 if buddy else 1)
     assert perf_model.optimizer_params(reroute(plan, {3}), 0, two) == \
         params / 3 * (2 if buddy else 1)
+
+
+def test_an_interleaved_plan_is_predicted_per_chunk():
+    """Pipeline 2 of 4 one-layer chunks (2 per rank), 2 micro-batches: each chunk's op costs
+    its one layer, so the iteration is shorter than the plain pipeline's by half of its
+    bubble; each rank holds its two chunks' parameters (as many as a plain stage's)."""
+    from chameleon_ext.schedule.ir import interleaved_1f1b
+    plain = pp2()
+    plan = ExecutionPlan.failure_free(2, 1, 2, 4, 2, 4, virtual_stages=2)
+    plain_ms = predict(plain, one_f_one_b(plain), profile()).iteration_ms
+    assert plain_ms == 12.0           # 2 micro-batches x (2 + 2) ms + a bubble of 4 ms
+    assert predict(plan, interleaved_1f1b(plan), profile()).iteration_ms == 10.0
+    assert predict_plan(plan, profile()).iteration_ms == 10.0
+    assert [stage_params(plan, r, SHAPE) for r in (0, 1)] == \
+        [stage_params(plain, r, SHAPE) for r in (0, 1)]

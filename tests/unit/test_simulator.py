@@ -565,3 +565,25 @@ def test_weight_half_before_input_half_or_after_reduction_is_rejected():
     alone = {0: head, 1: [RF(0, 0), F(0), B(0), SB(0, 0), RF(1, 0), F(1), B(1), SB(1, 0), BW(1)]
              + END}
     assert "needs a bwd_input(mb=1) before it" in str(rejected(plan, alone))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (2, 3, 6)])
+def test_interleaving_shrinks_the_bubble_as_megatron_lm_computes_it(p, v, m):
+    """Megatron-LM's interleaved 1F1B with each chunk's forward and backward 1/v of a stage's
+    and free messages: the bubble is (p - 1) / v stage-steps, a fraction (p - 1) / (v m + p - 1)
+    of the window; uninterleaved, (p - 1) / (m + p - 1)."""
+    from chameleon_ext.schedule.ir import interleaved_1f1b
+    plan = ExecutionPlan.failure_free(p, 1, p, p * v, 1, m, virtual_stages=v)
+    res = simulate(plan, interleaved_1f1b(plan), UniformCosts(fwd=1 / v, bwd=2 / v))
+    assert res.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    assert res.iteration_time == pytest.approx(3 * (m + (p - 1) / v))
+    plain = ExecutionPlan.failure_free(p, 1, p, p * v, 1, m)
+    assert simulate(plain, one_f_one_b(plain), UniformCosts()).bubble_fraction == \
+        pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_the_static_checks_refuse_an_interleaved_plan_in_one_line():
+    from chameleon_ext.schedule.ir import interleaved_1f1b
+    plan = ExecutionPlan.failure_free(2, 1, 2, 4, 1, 2, virtual_stages=2)
+    with pytest.raises(ScheduleError, match="the static checks know one stage per rank"):
+        check(plan, interleaved_1f1b(plan))
