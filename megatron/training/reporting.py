@@ -64,7 +64,10 @@ class Reporter:
             self.line(f"> plan: {plan.world_size} ranks, {len(plan.pipelines)} pipeline(s) x "
                       f"{len(plan.pipelines[0].stages)} stage(s), tensor parallel "
                       f"{plan.tensor_parallel}, {plan.num_micro_batches} micro-batches of "
-                      f"{plan.micro_batch_size} per iteration, layers per stage "
+                      f"{plan.micro_batch_size} per iteration, "
+                      + (f"{len(plan.chunks(plan.ranks[0]))} model chunks per rank "
+                         "(interleaved), " if plan.interleaved else "")
+                      + "layers per stage "
                       + " | ".join(dict.fromkeys(   # each pipeline's split, once
                           ", ".join(str(st.num_layers) for st in p.stages)
                           for p in plan.pipelines))

@@ -36,6 +36,7 @@ def test_two_chunks_per_rank_give_one_processs_losses(single, small_data, tmp_pa
         "3"], tmp_path, name="interleaved")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 pipeline(s) x 4 stage(s)" in run.stdout
+    assert "2 model chunks per rank (interleaved), layers per stage 1, 1, 1, 1" in run.stdout
     assert_close(run.losses(), single.losses())
     assert_close(validation(run), validation(single))
     # the checkpoint of iteration 3, by layout-independent names: a plain pipeline of one
