@@ -108,6 +108,7 @@ class ExecutionPlan:
                                                 compare=False)
     _chunks: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False,
                                           compare=False)
+    _interleaved: bool = field(default=False, init=False, repr=False, compare=False)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -189,7 +190,7 @@ class ExecutionPlan:
     def interleaved(self) -> bool:
         """Some rank holds more than one stage (Megatron-LM's virtual pipeline stages)."""
         self._index()
-        return any(len(c) > 1 for c in self._chunks.values())
+        return self._interleaved
 
     def pipeline_of(self, rank: int) -> Pipeline:
         return self.pipelines[self.position(rank).pipeline]
@@ -343,6 +344,7 @@ class ExecutionPlan:
                     for t, r in enumerate(st.ranks):
                         self._positions.setdefault(r, RankPosition(pi, si, t))
                         self._chunks.setdefault(r, []).append(si)
+            self._interleaved = any(len(c) > 1 for c in self._chunks.values())
         return self._positions
 
     # ---- validation ---------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from megatron.elastic.config import (ConfigError, ElasticConfig, Executor, Redun
 from megatron.elastic.emulation import STORAGE_MIB_PER_S
 from megatron.training.batch_ramp import BatchRamp
 from chameleon_ext.plan.execution_plan import PlanError, stage_bounds
-from megatron.training.config import (AttentionBackend, Backend, CheckpointConfig, DataConfig, JobConfig,
+from megatron.training.config import (LOSS_SCALING, AttentionBackend, Backend, CheckpointConfig, DataConfig, JobConfig,
                                       DataloaderType, LoadBalancing, LoggingConfig,
                                       LRDecayStyle, ModelConfig, MoERouterDtype,
                                       MoEScoreFunction, Normalization,
@@ -1052,10 +1052,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     need(cuda or not (args.bf16 or args.fp16),
          "--bf16/--fp16 need CUDA: megatron-core's mixed-precision optimizer is CUDA-only")
     te = cuda and importlib.util.find_spec("transformer_engine") is not None
-    scaling = [f"--{name.replace('_', '-')}" for name in _LOSS_SCALING
+    scaling = [f"--{name.replace('_', '-')}" for name in LOSS_SCALING
                if getattr(args, name) is not None]
     need(args.fp16 or not scaling, f"{', '.join(scaling)} go(es) with --fp16")
-    need(all(getattr(args, name) is None or getattr(args, name) > 0 for name in _LOSS_SCALING),
+    need(all(getattr(args, name) is None or getattr(args, name) > 0 for name in LOSS_SCALING),
          "the loss-scaling settings must be positive")
     need(cuda or not args.log_memory_to_tensorboard,
          "--log-memory-to-tensorboard logs CUDA's allocator statistics: it needs CUDA")
@@ -1299,10 +1299,6 @@ def _pipeline_split(args: argparse.Namespace) -> None:
         flags = ("--num-layers" if first is None and last is None else
                  "--decoder-first/last-pipeline-num-layers")
         raise ArgumentError(f"{flags}: {e}") from None
-
-
-_LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                 "hysteresis")
 
 
 def _schedule(args: argparse.Namespace) -> None:

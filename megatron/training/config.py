@@ -34,6 +34,10 @@ TokenDispatcher = Literal["allgather", "alltoall"]
 MoERouterDtype = Literal["fp32", "fp64"]
 MoEScoreFunction = Literal["softmax", "sigmoid"]
 DataloaderType = Literal["single", "cyclic"]
+# TrainingConfig's --fp16 loss-scaling fields: the flags' destinations and megatron-core's
+# OptimizerConfig fields of the same names
+LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                "hysteresis")
 
 
 @dataclass(frozen=True)

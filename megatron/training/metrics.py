@@ -41,6 +41,11 @@ class Tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._w = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
+    @property
+    def on(self) -> bool:
+        """Whether anything is written (the lead rank, with --tensorboard-dir)."""
+        return self._w is not None
+
     def scalars(self, step: int, **values: float) -> None:
         if self._w:
             for k, v in values.items():

@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from chameleon_ext.plan.execution_plan import ExecutionPlan
 from chameleon_ext.schedule.ir import OpKind
@@ -90,8 +91,10 @@ class Reporter:
             self.metrics.write("iteration", **self.last_record)
 
     def iteration(self, it: int, res, ms: float, consumed: int, plan: ExecutionPlan,
-                  strategy: str, lr: float, timers_text, loss_scale: float = 1.0,
+                  strategy: str, lr: float, timers_text,
+                  loss_scale: Callable[[], float] = lambda: 1.0,
                   params_norm: float | None = None) -> None:
+        """`timers_text` and `loss_scale` are read only where they are logged."""
         self.skipped += 0 if res.update_successful else 1
         self.losses.append(res.loss)
         self.times.append(ms)
@@ -113,7 +116,7 @@ class Reporter:
                 "grad-norm": res.grad_norm, "iteration-time": ms / 1e3,
                 "tokens-per-second": tokens_per_s, "throughput": tflops,
                 "num-zeros": res.num_zeros, "params-norm": params_norm,
-                "loss-scale": loss_scale if log.log_loss_scale else None,
+                "loss-scale": loss_scale() if log.log_loss_scale and self.tb.on else None,
                 "world-size": plan.world_size if log.log_world_size else None,
                 **(cuda_memory() if log.log_memory else {})})
         if it % self.logging.log_interval == 0:
@@ -130,11 +133,11 @@ class Reporter:
             self.bar.set_postfix(loss=f"{res.loss:.4f}")
 
     def validation(self, it: int, loss: float) -> None:
+        ppl = math.exp(min(loss, 20))
         self.line(f" validation loss at iteration {it} | lm loss value: {loss:.6E} |"
-                  f" lm loss PPL: {math.exp(min(loss, 20)):.6E} |")
+                  f" lm loss PPL: {ppl:.6E} |")
         self.tb.scalars(it, **{"lm loss validation": loss, "lm loss validation ppl":
-                               math.exp(min(loss, 20)) if self.logging.log_validation_ppl
-                               else None})
+                               ppl if self.logging.log_validation_ppl else None})
         if self.lead:
             self.metrics.write("validation", iteration=it, loss=loss)
 

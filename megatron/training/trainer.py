@@ -371,7 +371,7 @@ class Trainer:
             lambda: self.timers.get_all_timers_string(list(_OP_TIMERS),
                                                       normalizer=log.log_interval)
             if log.timing_log_level > 0 else "",
-            float(self.built.runtime.optimizer.get_loss_scale()), params_norm)
+            lambda: float(self.built.runtime.optimizer.get_loss_scale()), params_norm)
         if failure is not None:
             raise failure
 
@@ -381,8 +381,7 @@ class Trainer:
         of the next iteration, as in an evaluation)."""
         with self._boundary("between-iterations"):
             part = torch.tensor([optimizer_step.params_norm_part(
-                self.built.runtime.optimizer)], dtype=torch.float64,
-                device="cuda" if dist.get_backend() == "nccl" else "cpu")
+                self.built.runtime.optimizer)], dtype=torch.float64, device=_collective_device())
             dist.all_reduce(part)
         return math.sqrt(float(part))
 
@@ -863,9 +862,13 @@ def _gather(mine) -> list:
     return everyone
 
 
+def _collective_device() -> str:
+    """Where a tensor the world's backend reduces lives."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _world_sum(n: int) -> int:
-    t = torch.tensor([n], dtype=torch.int64,
-                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    t = torch.tensor([n], dtype=torch.int64, device=_collective_device())
     dist.all_reduce(t)
     return int(t.item())
 

@@ -24,7 +24,7 @@ from megatron.elastic import parallel_state
 from megatron.elastic.manager import ElasticManager
 from megatron.elastic.config import ConfigError
 from megatron.training.arguments import parse_config
-from megatron.training.config import JobConfig, ModelConfig, TrainingConfig
+from megatron.training.config import LOSS_SCALING, JobConfig, ModelConfig, TrainingConfig
 from megatron.training.known_warnings import silence_known_warnings
 from megatron.training.tokenizer import TokenizerError, build_tokenizer
 from megatron.training.trainer import JobError, Providers, Trainer
@@ -126,13 +126,8 @@ def optimizer_config(training: TrainingConfig, model: ModelConfig):
         # embeddings, the output layer) a param group of their own schedule
         decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr,
         params_dtype=torch.float32, use_distributed_optimizer=False,
-        **{name: getattr(training, name) for name in _LOSS_SCALING
+        **{name: getattr(training, name) for name in LOSS_SCALING
            if getattr(training, name) is not None})
-
-
-# --fp16's loss-scaling flags, megatron-core's OptimizerConfig fields of the same names
-_LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                 "hysteresis")
 
 
 def make_plan(config: JobConfig) -> ExecutionPlan:

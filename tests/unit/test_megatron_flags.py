@@ -588,7 +588,7 @@ def test_tensorboard_gets_megatron_lms_scalars_at_its_interval(tmp_path, capsys)
     plan = ExecutionPlan.failure_free(2, 1, 1, 4, 2, 4)
     for it in range(1, 5):
         reporter.iteration(it, StepResult(2.0, 1.0, True, 4), 100.0, 4 * it, plan, "auto",
-                           1e-3, lambda: "", loss_scale=1.0, params_norm=12.5)
+                           1e-3, lambda: "", loss_scale=lambda: 1.0, params_norm=12.5)
     reporter.validation(4, math.log(8.0))
     reporter.close()
     events = EventAccumulator(str(tmp_path))
